@@ -1,0 +1,50 @@
+"""The autograd Function shared by both implementations of the fused vocabulary kernel.
+
+``backend`` is a module with ``stats_forward`` and ``grad_backward`` (the Triton kernels in
+``linear_logprob_entropy`` or the twin in ``linear_logprob_entropy_torch``): the forward keeps only
+O(N) statistics, the backward recomputes the logits tiles.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastcov.kernels._stats import finalize
+
+
+class LinearLogprobEntropyFunction(torch.autograd.Function):
+    """(hidden [N, D], weight [V, D], bias [V] | None, labels [N] int64) ->
+    logprob [N], entropy [N], logsumexp [N], vocab_cov [N] (empty unless asked), topk values [N, k],
+    topk indices [N, k]; all fp32 except indices (int64). Gradients flow through logprob and entropy."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, temperature, ignore_index, want_cov, topk, backend):
+        stats, (top_z, top_index) = backend.stats_forward(hidden, weight, bias, labels, temperature, topk)
+        valid = labels != ignore_index
+        logsumexp, logprob, entropy, vocab_cov = finalize(stats, valid, weight.shape[0], want_cov)
+        if topk:
+            top_logprob = top_z - logsumexp[:, None]
+        else:
+            top_logprob = logprob.new_empty(0)
+            top_index = labels.new_empty(0)
+        if vocab_cov is None:
+            vocab_cov = logprob.new_empty(0)
+        ctx.save_for_backward(hidden, weight, bias, labels, logsumexp, entropy, valid)
+        ctx.temperature = temperature
+        ctx.backend = backend
+        ctx.mark_non_differentiable(logsumexp, vocab_cov, top_logprob, top_index)
+        return logprob, entropy, logsumexp, vocab_cov, top_logprob, top_index
+
+    @staticmethod
+    def backward(ctx, g_logprob, g_entropy, *_):
+        hidden, weight, bias, labels, logsumexp, entropy, valid = ctx.saved_tensors
+        zero = torch.zeros_like(logsumexp)
+        g = zero if g_logprob is None else torch.where(valid, g_logprob.float(), zero)
+        e = zero if g_entropy is None else torch.where(valid, g_entropy.float(), zero)
+        dh, dw, db = ctx.backend.grad_backward(
+            hidden, weight, bias, labels, ctx.temperature, logsumexp, entropy, g, e
+        )
+        return (dh if ctx.needs_input_grad[0] else None,
+                dw if ctx.needs_input_grad[1] else None,
+                db if bias is not None and ctx.needs_input_grad[2] else None,
+                None, None, None, None, None, None)

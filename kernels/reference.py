@@ -1,0 +1,39 @@
+"""Float64 materialized reference for the fused vocabulary kernel: the definition tests compare against.
+
+It builds the full N×V logits, so use it only at test sizes (or on a subset of rows).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def reference_logprob_entropy(hidden, weight, labels, bias=None, temperature=1.0, ignore_index=-100):
+    """Float64 outputs of DESIGN §3 from the full logits, differentiable w.r.t. the (float64) inputs.
+
+    hidden [N, D], weight [V, D], bias [V] or None, labels [N] int64. Returns a dict of [N] float64
+    tensors: logprob, entropy, logsumexp, vocab_cov (κ = Cov_{a∼π}(log π(a), e_y(a) − π(a)), from
+    its definition), and log_probs [N, V] (all of log π, for top-k checks).
+    """
+    z = hidden.double() @ weight.double().T
+    if bias is not None:
+        z = z + bias.double()
+    z = z / temperature
+    log_probs = torch.log_softmax(z, dim=-1)
+    probs = log_probs.exp()
+    valid = labels != ignore_index
+    safe = torch.where(valid, labels, torch.zeros_like(labels))
+    logprob = log_probs.gather(-1, safe[:, None])[:, 0]
+    entropy = -(probs * log_probs).sum(-1)
+    # κ from its definition: E[log π · X] − E[log π]·E[X] with X = e_y − π
+    x = torch.nn.functional.one_hot(safe, weight.shape[0]).double() - probs
+    e_logp_x = (probs * log_probs * x).sum(-1)
+    kappa = e_logp_x - (probs * log_probs).sum(-1) * (probs * x).sum(-1)
+    zero = torch.zeros_like(logprob)
+    return {
+        "logprob": torch.where(valid, logprob, zero),
+        "entropy": torch.where(valid, entropy, zero),
+        "logsumexp": torch.logsumexp(z, dim=-1),
+        "vocab_cov": torch.where(valid, kappa, zero).detach(),
+        "log_probs": log_probs,
+    }

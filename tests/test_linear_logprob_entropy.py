@@ -1,0 +1,327 @@
+"""The fused vocabulary kernel (PyTorch twin and Triton kernels) against the float64 reference."""
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import fastcov
+from fastcov import linear_logprob_entropy, logprob_entropy_from_logits
+from fastcov.kernels import linear_logprob_entropy_torch as twin
+from fastcov.kernels.reference import reference_logprob_entropy
+
+IGNORE = -100
+
+
+def make_inputs(n, d, v, *, dtype=torch.float32, bias=True, ignore_every=4, scale=1.0, seed=None):
+    gen = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % (2**31))
+    hidden = torch.randn(n, d, generator=gen) * scale
+    weight = torch.randn(v, d, generator=gen) / math.sqrt(d) * 3.0
+    b = torch.randn(v, generator=gen) if bias else None
+    labels = torch.randint(0, v, (n,), generator=gen)
+    if ignore_every and n > 1:
+        labels[1::ignore_every] = IGNORE
+    g = torch.randn(n, generator=gen)
+    e = torch.randn(n, generator=gen)
+    cast = lambda t: None if t is None else t.to(dtype).requires_grad_()  # noqa: E731
+    return cast(hidden), cast(weight), cast(b), labels, g, e
+
+
+def check_against_reference(hidden, weight, bias, labels, g, e, *, temperature, impl, atol, rtol, topk=0):
+    out = linear_logprob_entropy(hidden, weight, labels, bias=bias, temperature=temperature,
+                                 vocab_cov=True, topk=topk, impl=impl)
+    (out.logprob * g + out.entropy * e).sum().backward()
+
+    leaves = [t.detach().double().requires_grad_() for t in (hidden, weight)]
+    bias64 = None if bias is None else bias.detach().double().requires_grad_()
+    ref = reference_logprob_entropy(leaves[0], leaves[1], labels, bias64, temperature, IGNORE)
+    (ref["logprob"] * g.double() + ref["entropy"] * e.double()).sum().backward()
+
+    for name in ("logprob", "entropy", "logsumexp", "vocab_cov"):
+        torch.testing.assert_close(getattr(out, name).double(), ref[name].detach(), atol=atol, rtol=rtol,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+    torch.testing.assert_close(hidden.grad.double(), leaves[0].grad, atol=atol, rtol=rtol)
+    torch.testing.assert_close(weight.grad.double(), leaves[1].grad, atol=atol, rtol=rtol)
+    if bias is not None:
+        torch.testing.assert_close(bias.grad.double(), bias64.grad, atol=atol, rtol=rtol)
+    valid = labels != IGNORE
+    assert torch.all(hidden.grad[~valid] == 0), "ignored rows must get no gradient"
+    if topk:
+        ref_top, ref_index = ref["log_probs"].detach().topk(topk, dim=-1)
+        torch.testing.assert_close(out.topk_logprob.double(), ref_top, atol=atol, rtol=rtol)
+        # indices may differ only where values tie within tolerance
+        picked = ref["log_probs"].detach().gather(-1, out.topk_index)
+        torch.testing.assert_close(picked, ref_top, atol=atol, rtol=rtol)
+    return out
+
+
+# ---------------------------------------------------------------- PyTorch twin, float32 vs float64
+
+SHAPES = [(1, 8, 1), (1, 16, 7), (2, 16, 7), (33, 24, 1000), (17, 32, 4099)]
+
+
+@pytest.mark.parametrize("n,d,v", SHAPES)
+@pytest.mark.parametrize("temperature", [0.6, 1.0, 1.3])
+def test_twin_matches_float64(n, d, v, temperature):
+    hidden, weight, bias, labels, g, e = make_inputs(n, d, v)
+    check_against_reference(hidden, weight, bias, labels, g, e, temperature=temperature, impl="torch",
+                            atol=2e-5, rtol=2e-4, topk=min(3, v))
+
+
+@pytest.mark.parametrize("chunk_elements,max_chunk_v", [(1, 1), (64, 13), (300, 64)])
+def test_twin_chunking_is_exact(monkeypatch, chunk_elements, max_chunk_v):
+    """Many token and vocabulary chunks (sizes that divide nothing) give the unchunked answer."""
+    monkeypatch.setattr(twin, "CHUNK_ELEMENTS", chunk_elements)
+    monkeypatch.setattr(twin, "MAX_CHUNK_V", max_chunk_v)
+    monkeypatch.setattr(twin.stats_forward, "__defaults__", (chunk_elements,))
+    monkeypatch.setattr(twin.grad_backward, "__defaults__", (chunk_elements,))
+    hidden, weight, bias, labels, g, e = make_inputs(29, 12, 131)
+    check_against_reference(hidden, weight, bias, labels, g, e, temperature=1.3, impl="torch",
+                            atol=2e-5, rtol=2e-4, topk=5)
+
+
+def test_twin_without_bias_and_batched_shape():
+    hidden, weight, _, labels, g, e = make_inputs(24, 16, 50, bias=False)
+    out3 = linear_logprob_entropy(hidden.view(4, 6, 16), weight, labels.view(4, 6), impl="torch", topk=2)
+    assert out3.logprob.shape == (4, 6) and out3.topk_index.shape == (4, 6, 2)
+    check_against_reference(hidden, weight, None, labels, g, e, temperature=1.0, impl="torch",
+                            atol=2e-5, rtol=2e-4)
+    torch.testing.assert_close(out3.logprob.reshape(-1), linear_logprob_entropy(hidden, weight, labels).logprob)
+
+
+def test_all_negative_logits():
+    hidden, weight, _, labels, g, e = make_inputs(9, 16, 301, bias=False)
+    bias = torch.full((301,), -40.0).requires_grad_()
+    assert (hidden @ weight.T + bias).max() < 0
+    # fp32 logits near -67 carry ~1e-5 rounding of their own, hence atol 5e-5
+    out = check_against_reference(hidden, weight, bias, labels, g, e, temperature=0.6, impl="torch",
+                                  atol=5e-5, rtol=2e-4)
+    assert torch.isfinite(out.logprob).all()
+
+
+def test_logits_around_1e4():
+    """A shift of 1e4 leaves the distribution unchanged; ±1e4 spreads make it one-hot, not NaN."""
+    hidden, weight, _, labels, g, e = make_inputs(11, 16, 257, bias=False, seed=3)
+    base = linear_logprob_entropy(hidden, weight, labels, impl="torch")
+    shifted = linear_logprob_entropy(hidden, weight, labels, bias=torch.full((257,), 1e4), impl="torch")
+    torch.testing.assert_close(shifted.logprob, base.logprob, atol=5e-3, rtol=0)
+    torch.testing.assert_close(shifted.entropy, base.entropy, atol=5e-3, rtol=0)
+
+    gen = torch.Generator().manual_seed(5)
+    spread = (torch.randint(0, 2, (257,), generator=gen) * 2 - 1) * 1e4 + torch.randn(257, generator=gen) * 50
+    spread = spread.float().requires_grad_()
+    check_against_reference(hidden, weight, spread, labels, g, e, temperature=1.3, impl="torch",
+                            atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("v", [1, 2, 7, 1000])
+def test_bounds_hold(v):
+    hidden, weight, bias, labels, _, _ = make_inputs(40, 8, v, scale=4.0)
+    out = linear_logprob_entropy(hidden, weight, labels, bias=bias, temperature=0.6, impl="torch")
+    assert (out.logprob <= 0).all()
+    assert (out.entropy >= 0).all() and (out.entropy <= math.log(v) + 1e-6).all()
+    if v == 1:
+        assert (out.logprob == 0).all() and (out.entropy == 0).all()
+
+
+def test_entropy_false_and_logprob_only_gradient():
+    hidden, weight, bias, labels, g, _ = make_inputs(10, 8, 33)
+    out = linear_logprob_entropy(hidden, weight, labels, bias=bias, entropy=False, impl="torch")
+    assert out.entropy is None and out.vocab_cov is None and out.topk_index is None
+    (out.logprob * g).sum().backward()
+    h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    ref = reference_logprob_entropy(h64, w64, labels, bias.detach().double())
+    (ref["logprob"] * g.double()).sum().backward()
+    torch.testing.assert_close(hidden.grad.double(), h64.grad, atol=2e-5, rtol=2e-4)
+    torch.testing.assert_close(weight.grad.double(), w64.grad, atol=2e-5, rtol=2e-4)
+
+
+def test_from_logits_matches_linear():
+    hidden, weight, bias, labels, g, e = make_inputs(21, 16, 97)
+    fused = linear_logprob_entropy(hidden, weight, labels, bias=bias, temperature=0.6, vocab_cov=True,
+                                   topk=4, impl="torch")
+    logits = (hidden @ weight.T + bias).detach().requires_grad_()
+    plain = logprob_entropy_from_logits(logits, labels, temperature=0.6, vocab_cov=True, topk=4)
+    for name in ("logprob", "entropy", "logsumexp", "vocab_cov", "topk_logprob"):
+        torch.testing.assert_close(getattr(plain, name), getattr(fused, name), atol=2e-5, rtol=2e-4)
+    assert torch.equal(plain.topk_index, fused.topk_index)
+    (plain.logprob * g + plain.entropy * e).sum().backward()
+    (fused.logprob * g + fused.entropy * e).sum().backward()
+    torch.testing.assert_close(logits.grad @ weight.detach(), hidden.grad, atol=2e-5, rtol=2e-4)
+
+
+# ---------------------------------------------------------------- κ: the entropy polarity
+
+
+def test_vocab_cov_predicts_entropy_change_of_a_logit_step():
+    """ΔH ≈ −η·A·κ for the logit step Δz = η·A·(e_y − π); the gap shrinks linearly with η."""
+    hidden, weight, bias, labels, _, _ = make_inputs(16, 16, 211, ignore_every=0, seed=11)
+    temperature = 1.3
+    kappa = linear_logprob_entropy(hidden, weight, labels, bias=bias, temperature=temperature,
+                                   vocab_cov=True, impl="torch").vocab_cov.double()
+    z = ((hidden.detach().double() @ weight.detach().double().T) + bias.detach().double()) / temperature
+    adv = torch.randn(16, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+
+    def entropy_of(logits):
+        lp = torch.log_softmax(logits, -1)
+        return -(lp.exp() * lp).sum(-1)
+
+    onehot = torch.nn.functional.one_hot(labels, 211).double()
+    gaps = []
+    for eta in (1e-2, 1e-3):
+        step = eta * adv[:, None] * (onehot - torch.softmax(z, -1))
+        actual = entropy_of(z + step) - entropy_of(z)
+        predicted = -eta * adv * kappa
+        gaps.append(((actual - predicted).norm() / actual.norm()).item())
+    assert gaps[1] < 1e-2
+    assert 5 < gaps[0] / gaps[1] < 20, gaps
+
+
+# ---------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    "change,error,match",
+    [
+        (dict(hidden=torch.randn(4)), ValueError, "hidden"),
+        (dict(hidden=torch.randn(4, 8, dtype=torch.float64)), TypeError, "hidden"),
+        (dict(hidden=torch.randn(4, 9)), ValueError, "D=8"),
+        (dict(weight=torch.randn(16, 8, dtype=torch.float16)), TypeError, "weight dtype"),
+        (dict(labels=torch.zeros(5, dtype=torch.int64)), ValueError, "labels shape"),
+        (dict(labels=torch.zeros(4)), TypeError, "labels must be int64"),
+        (dict(labels=torch.tensor([0, 1, 16, 2])), ValueError, "labels must be in"),
+        (dict(labels=torch.tensor([0, -1, 3, 2])), ValueError, "labels must be in"),
+        (dict(bias=torch.randn(15)), ValueError, "bias shape"),
+        (dict(temperature=0.0), ValueError, "temperature"),
+        (dict(temperature=-1.0), ValueError, "temperature"),
+        (dict(temperature=float("nan")), ValueError, "temperature"),
+        (dict(temperature=float("inf")), ValueError, "temperature"),
+        (dict(topk=17), ValueError, "topk"),
+        (dict(topk=-1), ValueError, "topk"),
+        (dict(impl="cuda"), ValueError, "impl"),
+    ],
+)
+def test_bad_input_names_the_argument(change, error, match):
+    args = dict(hidden=torch.randn(4, 8), weight=torch.randn(16, 8), labels=torch.tensor([0, 3, IGNORE, 15]),
+                bias=None, temperature=1.0, topk=0, impl="torch")
+    args.update(change)
+    with pytest.raises(error, match=match):
+        linear_logprob_entropy(args.pop("hidden"), args.pop("weight"), args.pop("labels"), **args)
+
+
+def test_triton_impl_refuses_cpu_without_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        linear_logprob_entropy(torch.randn(2, 8), torch.randn(5, 8), torch.tensor([0, 1]), impl="triton")
+    # "auto" on CPU takes the twin
+    out = linear_logprob_entropy(torch.randn(2, 8), torch.randn(5, 8), torch.tensor([0, 1]), impl="auto")
+    assert out.logprob.shape == (2,)
+
+
+def test_import_pulls_no_heavy_frameworks():
+    code = "import sys, fastcov, fastcov.kernels; print(sorted(m for m in ('deepspeed','vllm','transformers') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+    assert fastcov.linear_logprob_entropy is linear_logprob_entropy
+
+
+# ---------------------------------------------------------------- Triton kernels under the interpreter
+
+triton_kernels = pytest.importorskip("fastcov.kernels.linear_logprob_entropy")
+needs_triton = pytest.mark.skipif(
+    not (torch.cuda.is_available() or triton_kernels.interpreting()),
+    reason="Triton needs CUDA or TRITON_INTERPRET=1",
+)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n,d,v,temperature,bias", [(1, 16, 7, 1.0, True), (19, 24, 71, 0.6, True),
+                                                     (23, 40, 97, 1.3, False)])
+def test_triton_matches_float64(dtype, n, d, v, temperature, bias):
+    hidden, weight, b, labels, g, e = make_inputs(n, d, v, dtype=dtype, bias=bias)
+    to_dev = lambda t: None if t is None else t.detach().to(DEVICE).requires_grad_()  # noqa: E731
+    hidden, weight, b = to_dev(hidden), to_dev(weight), to_dev(b)
+    labels, g, e = labels.to(DEVICE), g.to(DEVICE), e.to(DEVICE)
+    tol = dict(atol=2e-5, rtol=2e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
+    out = check_against_reference(hidden, weight, b, labels, g, e, temperature=temperature, impl="triton",
+                                  topk=min(4, v), **tol)
+    assert out.logprob.dtype == torch.float32 and hidden.grad.dtype == dtype and weight.grad.dtype == dtype
+
+
+@needs_triton
+@pytest.mark.parametrize("splits", [1, 2, 3])
+def test_triton_vocab_splits_combine_exactly(splits):
+    """Splits that share the vocabulary (the last one may see no column at all: V=40, two tiles)."""
+    hidden, weight, bias, labels, _, _ = make_inputs(18, 16, 40, seed=7)
+    hidden, weight, bias, labels = (t.detach().to(DEVICE) for t in (hidden, weight, bias, labels))
+    stats, (top_z, top_index) = triton_kernels.stats_forward(hidden, weight, bias, labels, 0.6, 3, splits=splits)
+    ref_stats, (ref_top_z, ref_top_index) = twin.stats_forward(hidden, weight, bias, labels, 0.6, 3)
+    assert torch.isfinite(stats[1:5]).all()
+    from fastcov.kernels._stats import finalize
+
+    valid = labels != IGNORE
+    for got, want in zip(finalize(stats, valid, 40, True), finalize(ref_stats, valid, 40, True)):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-4)
+    torch.testing.assert_close(top_z, ref_top_z, atol=2e-5, rtol=2e-4)
+    assert torch.equal(top_index, ref_top_index)
+
+
+@needs_triton
+def test_triton_forward_poisons_unwritten_partials(monkeypatch):
+    """The launcher fills partials with NaN, so a kernel that skips a row cannot pass silently."""
+    hidden, weight, _, labels, _, _ = make_inputs(20, 16, 33, bias=False, seed=1)
+    hidden, weight, labels = (t.detach().to(DEVICE) for t in (hidden, weight, labels))
+    real_kernel = triton_kernels._forward_kernel
+
+    class SkipLastRows:  # launches the kernel on all but the last row block
+        def __getitem__(self, grid):
+            return real_kernel[(grid[0] - 1,) + tuple(grid[1:])]
+
+    monkeypatch.setattr(triton_kernels, "_forward_kernel", SkipLastRows())
+    monkeypatch.setattr(triton_kernels, "_forward_tuned", SkipLastRows())
+    stats, _ = triton_kernels.stats_forward(hidden, weight, None, labels, 1.0, 0, splits=1)
+    assert torch.isnan(stats[:, 16:]).all() and torch.isfinite(stats[:5, :16]).all()
+
+
+# ---------------------------------------------------------------- memory profile of the twin
+
+
+def test_twin_peak_memory_is_a_small_fraction_of_the_logits():
+    """N·V fp32 logits = 1 GiB; forward+backward of the twin must stay under 5% of that (peak RSS)."""
+    script = textwrap.dedent(
+        """
+        import gc, torch
+        from fastcov import linear_logprob_entropy
+        torch.manual_seed(0)
+        n, d, v = 8192, 64, 32768
+        hidden = torch.randn(n, d, requires_grad=True)
+        weight = (torch.randn(v, d) / 8).requires_grad_()
+        labels = torch.randint(0, v, (n,))
+        hidden.grad = torch.zeros_like(hidden); weight.grad = torch.zeros_like(weight)
+        # warm up allocator and kernels at a small size, then reset the peak
+        linear_logprob_entropy(hidden[:64], weight[:4096], labels[:64] % 4096).logprob.sum().backward()
+        hidden.grad.zero_(); weight.grad.zero_(); gc.collect()
+        def rss(field):
+            for line in open("/proc/self/status"):
+                if line.startswith(field):
+                    return int(line.split()[1]) * 1024
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        before = rss("VmRSS:")
+        out = linear_logprob_entropy(hidden, weight, labels)
+        (out.logprob.sum() + out.entropy.sum()).backward()
+        print(rss("VmHWM:") - before, n * v * 4)
+        """
+    )
+    env = dict(os.environ, OMP_NUM_THREADS="2")
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr
+    peak, logits_bytes = map(int, res.stdout.split())
+    assert logits_bytes >= 2**30
+    assert peak < 0.05 * logits_bytes, f"peak extra {peak / 2**20:.1f} MiB vs logits {logits_bytes / 2**20:.0f} MiB"

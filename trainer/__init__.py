@@ -1,0 +1,1 @@
+"""The lean trainer, imported as ``fastcov.trainer``."""
