@@ -16,7 +16,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("fastcov.trainer.cli_eval", "evaluate a checkpoint (avg@k on a parquet dataset)"),
     "report": ("fastcov.trainer.cli_report", "write report.md and plots from run directories"),
     "fit-law": ("fastcov.law_cli", "fit the entropy law R = -a*exp(H) + b to a metrics.jsonl"),
-    "plan": ("fastcov.trainer.cli_plan", "per-GPU memory plan for a model, GPU count and token budget"),
+    "plan": ("fastcov.plan", "per-GPU memory plan for a model, GPU count and token budget"),
 }
 
 

@@ -1,0 +1,75 @@
+"""`fastcov plan` against hand computations."""
+
+import json
+
+import pytest
+
+from fastcov.cli import main
+from fastcov.plan import GIB, QWEN25, ModelShape, plan_memory
+
+
+def test_parameter_counts_match_hand_computation():
+    # Qwen2.5-7B by hand: per layer q,o 3584² each, k,v 3584·512 each, biases 3584+2·512,
+    # MLP 3·3584·18944, two norms; untied embeddings 2·152064·3584; final norm.
+    layer = 2 * 3584**2 + 2 * 3584 * 512 + (3584 + 1024) + 3 * 3584 * 18944 + 2 * 3584
+    assert QWEN25["qwen2.5-7b"].num_parameters() == 28 * layer + 2 * 152064 * 3584 + 3584
+    # published totals (billions): within 1.5%
+    for name, billions in (("qwen2.5-0.5b", 0.49), ("qwen2.5-7b", 7.61), ("qwen2.5-32b", 32.5),
+                           ("qwen2.5-72b", 72.7)):
+        assert QWEN25[name].num_parameters() / 1e9 == pytest.approx(billions, rel=0.015)
+
+
+def test_zero_stages_shard_what_they_should():
+    model = QWEN25["qwen2.5-7b"]
+    psi = model.num_parameters()
+    plans = {s: plan_memory(model, gpus=8, tokens_per_gpu=16384, zero_stage=s) for s in range(4)}
+    assert plans[0].optimizer_states == 12 * psi and plans[0].gradients == 2 * psi
+    assert plans[1].optimizer_states == 12 * psi / 8 and plans[1].gradients == 2 * psi
+    assert plans[2].gradients == 2 * psi / 8 and plans[2].parameters == 2 * psi
+    assert plans[3].parameters == 2 * psi / 8
+
+
+def test_logits_and_kv_cache_by_hand():
+    model = QWEN25["qwen2.5-32b"]
+    plan = plan_memory(model, gpus=32, tokens_per_gpu=20480, zero_stage=3, kv_tokens_per_gpu=10000)
+    assert plan.logits_naive == 20480 * 152064 * 10
+    assert plan.logits_fused == 20480 * 16 + 20480 * 5120 * 4 + 152064 * 5120 * 4
+    assert plan.rollout_kv_cache == 10000 * 2 * 64 * 8 * 128 * 2
+    assert plan.activations == 64 * 20480 * 5120 * 2 + 20480 * (10 * 5120 + 4 * 27648) * 2
+
+
+def test_fits_verdict_and_cli(tmp_path, capsys):
+    assert main(["plan", "--model", "qwen2.5-7b", "--gpus", "8", "--tokens-per-gpu", "65536", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["fits"] and not plan["fits_naive"]  # 64k-token logits alone are ~93 GiB naive
+    assert plan["logits_naive"] / GIB > 80
+    # a tiny GPU fits nothing: exit code 1
+    assert main(["plan", "--model", "qwen2.5-32b", "--gpus", "1", "--tokens-per-gpu", "4096",
+                 "--gpu-memory", "24"]) == 1
+    assert "does NOT fit" in capsys.readouterr().out
+
+
+def test_model_from_hf_config(tmp_path, capsys):
+    config = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000,
+              "tie_word_embeddings": True}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    shape = ModelShape.from_hf_config(config)
+    assert shape.num_parameters() == 2 * (2 * 64 * 64 + 2 * 64 * 32 + 64 + 64 + 3 * 64 * 128 + 128) + 64000 + 64
+    assert main(["plan", "--model", str(path), "--gpus", "1", "--tokens-per-gpu", "128"]) == 0
+    assert str(path) in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("kwargs,match", [(dict(gpus=0), "gpus"), (dict(tokens_per_gpu=-1), "tokens_per_gpu"),
+                                          (dict(zero_stage=4), "zero_stage"), (dict(gpu_memory_gib=0), "gpu_memory")])
+def test_bad_arguments(kwargs, match):
+    args = dict(gpus=8, tokens_per_gpu=1024, zero_stage=3)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        plan_memory(QWEN25["qwen2.5-7b"], **args)
+
+
+def test_unknown_model_is_a_clear_error(capsys):
+    assert main(["plan", "--model", "gpt-9", "--gpus", "1", "--tokens-per-gpu", "1"]) == 2
+    assert "unknown preset 'gpt-9'" in capsys.readouterr().out
