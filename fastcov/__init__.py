@@ -3,7 +3,30 @@
 Importing this package never imports deepspeed, vllm or transformers.
 """
 
+from fastcov import advantages, losses, selection
+from fastcov.advantages import (
+    broadcast_to_tokens,
+    dapo_filter,
+    dr_grpo,
+    get_advantage,
+    grpo,
+    register_advantage,
+    reinforce_pp,
+    rloo,
+)
+from fastcov.covariance import token_covariance, token_covariance_and_keys
+from fastcov.losses import (
+    LossConfig,
+    Selection,
+    aggregate_loss,
+    available_modes,
+    compute_global_selection,
+    get_policy_loss,
+    policy_loss,
+)
+from fastcov.losses import register as register_policy_loss
 from fastcov.ops import LogprobEntropy, linear_logprob_entropy, logprob_entropy_from_logits
+from fastcov.selection import select_random_in_band, select_top_covariance
 
 __version__ = "0.1.0"
 
@@ -11,4 +34,27 @@ __all__ = [
     "LogprobEntropy",
     "linear_logprob_entropy",
     "logprob_entropy_from_logits",
+    "LossConfig",
+    "Selection",
+    "aggregate_loss",
+    "available_modes",
+    "compute_global_selection",
+    "get_policy_loss",
+    "policy_loss",
+    "register_policy_loss",
+    "token_covariance",
+    "token_covariance_and_keys",
+    "select_top_covariance",
+    "select_random_in_band",
+    "get_advantage",
+    "register_advantage",
+    "grpo",
+    "dr_grpo",
+    "rloo",
+    "reinforce_pp",
+    "dapo_filter",
+    "broadcast_to_tokens",
+    "advantages",
+    "losses",
+    "selection",
 ]
