@@ -15,6 +15,8 @@ from fastcov.advantages import (
     rloo,
 )
 from fastcov.covariance import token_covariance, token_covariance_and_keys
+from fastcov.dynamics import DynamicsConfig, DynamicsRun, TabularProblem, predicted_entropy_change, simulate
+from fastcov.law import EntropyLaw, fit_entropy_law
 from fastcov.losses import (
     LossConfig,
     Selection,
@@ -26,6 +28,7 @@ from fastcov.losses import (
 )
 from fastcov.losses import register as register_policy_loss
 from fastcov.ops import LogprobEntropy, linear_logprob_entropy, logprob_entropy_from_logits
+from fastcov.schedules import PositiveWeightSchedule
 from fastcov.selection import select_random_in_band, select_top_covariance
 
 __version__ = "0.1.0"
@@ -54,6 +57,14 @@ __all__ = [
     "reinforce_pp",
     "dapo_filter",
     "broadcast_to_tokens",
+    "PositiveWeightSchedule",
+    "EntropyLaw",
+    "fit_entropy_law",
+    "predicted_entropy_change",
+    "TabularProblem",
+    "DynamicsConfig",
+    "DynamicsRun",
+    "simulate",
     "advantages",
     "losses",
     "selection",
