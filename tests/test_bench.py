@@ -1,0 +1,140 @@
+"""Smoke test of the kernel benchmark harness (bench/kernels.py): a tiny CPU case end to end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from bench import kernels as K
+from bench.peers import IMPLS, naive
+
+PEERS = ["liger", "liger-entropy", "cce", "verl"]
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    rc = K.main(["--preset", "smoke", "--device", "cpu", "--n", "48", "--d", "32", "--v", "300",
+                 "--repeats", "1", "--warmup", "0", "--threads", "1", "--out", str(out),
+                 "--impls", "naive", "fastcov-torch", *PEERS])
+    assert rc == 0
+    jsons, mds = list(out.glob("*.json")), list(out.glob("*.md"))
+    assert len(jsons) == 1 and len(mds) == 1
+    assert jsons[0].stem == mds[0].stem and jsons[0].stem.startswith("cpu-")
+    return json.loads(jsons[0].read_text()), mds[0].read_text()
+
+
+def test_json_fields(smoke_run):
+    doc, _ = smoke_run
+    assert doc["schema"] == 1 and doc["device_slug"].startswith("cpu-")
+    (run,) = doc["runs"]
+    assert run["preset"] == "smoke" and "bench.kernels" in run["command"]
+    assert {"torch", "triton", "device_name"} <= set(run["env"])
+    assert run["matmul"]["smoke/48"]["tflops"] > 0
+    cases = {c["impl"]: c for c in run["cases"]}
+    assert set(cases) == {"naive", "fastcov-torch", *PEERS}
+    for name in ("naive", "fastcov-torch"):
+        c = cases[name]
+        assert c["status"] == "ok", c
+        assert (c["n"], c["d"], c["v"]) == (48, 32, 300)
+        for key in ("fwd_ms", "fb_ms", "fwd_tflops", "fb_tflops", "fwd_pct_matmul", "fb_pct_matmul",
+                    "speedup_fwd", "speedup_fb"):
+            assert c[key] is not None and c[key] > 0, (name, key)
+        assert c["fb_peak_bytes"] is not None and c["fb_peak_bytes"] > 0
+        assert c["mem_ratio_fb"] is not None and c["mem_method"]
+        assert c["check"]["logprob_max_abs"] < 1e-4 and c["check"]["entropy_max_abs"] < 1e-4
+        assert c["check"]["logprob_max"] <= 0 and c["check"]["finite"]
+    assert cases["naive"]["speedup_fb"] == pytest.approx(1.0)
+    assert cases["naive"]["mem_ratio_fb"] == pytest.approx(1.0)
+
+
+def test_peers_unavailable_without_cuda(smoke_run):
+    if torch.cuda.is_available():
+        pytest.skip("peers may run here")
+    doc, md = smoke_run
+    cases = {c["impl"]: c for c in doc["runs"][0]["cases"]}
+    for name in PEERS:
+        assert cases[name]["status"] == "unavailable" and cases[name]["reason"], cases[name]
+        assert f"| {name} | unavailable: " in md
+
+
+def test_markdown_table(smoke_run):
+    doc, md = smoke_run
+    assert doc["device_name"] in md and "torch " in md and "triton " in md
+    assert "python -m bench.kernels" in md
+    assert "| N | impl | fwd ms |" in md
+    assert "| 48 | fastcov-torch | " in md
+
+
+def test_rerun_keeps_other_presets(tmp_path):
+    run_a = {"preset": "a", "cases": [], "groups": [], "matmul": {}, "env": {}, "dtype": "float32",
+             "temperature": 1.0, "isolated": False, "command": "x", "started": "t", "wall_s": 0.0}
+    env = {"device_slug": "cpu-test", "device_name": "CPU test"}
+    K.write_results(run_a, tmp_path, env, "2000-01-01")
+    K.write_results({**run_a, "preset": "b"}, tmp_path, env, "2000-01-01")
+    K.write_results({**run_a, "preset": "a", "wall_s": 1.0}, tmp_path, env, "2000-01-01")
+    doc = json.loads((tmp_path / "cpu-test-2000-01-01.json").read_text())
+    assert sorted(r["preset"] for r in doc["runs"]) == ["a", "b"]
+    assert [r["wall_s"] for r in doc["runs"] if r["preset"] == "a"] == [1.0]
+
+
+def test_failing_impl_is_reported_not_raised(monkeypatch):
+    def broken(device):
+        def fn(hidden, weight, labels, temperature):
+            raise RuntimeError("kernel exploded")
+        return fn
+
+    monkeypatch.setitem(IMPLS, "naive", IMPLS["naive"].__class__(
+        "naive", "broken", True, lambda d: None, broken, needs_cuda=False))
+    spec = {"group": "g", "n": 8, "d": 16, "v": 40, "dtype": "float32", "device": "cpu", "temperature": 1.0,
+            "warmup": 0, "repeats": 1, "seed": 0, "impls": ["naive"], "mode": "all"}
+    (res,) = K.run_shape(spec)["cases"]
+    assert res["status"] == "error" and "kernel exploded" in res["reason"]
+
+
+def test_naive_matches_float64():
+    torch.manual_seed(0)
+    h, w = torch.randn(6, 8), torch.randn(50, 8)
+    y = torch.randint(0, 50, (6,))
+    lp, ent = naive(h, w, y, 0.7)
+    ref_lp, ref_ent = K._reference_rows(h, w, y, 0.7, 6)
+    torch.testing.assert_close(lp.double(), ref_lp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent.double(), ref_ent, atol=1e-5, rtol=0)
+
+
+def test_correctness_gpu_needs_cuda(capsys):
+    from bench import correctness_gpu as C
+
+    if torch.cuda.is_available():
+        pytest.skip("has CUDA")
+    with pytest.raises(SystemExit) as exc:
+        C.main([])
+    assert exc.value.code == 2
+    assert "needs a CUDA device" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("temperature,with_bias", [(1.0, False), (0.6, True)])
+def test_correctness_gpu_reference_matches_autograd(temperature, with_bias):
+    """The chunked float64 reference of bench/correctness_gpu.py equals float64 autograd (on CPU)."""
+    from bench import correctness_gpu as C
+
+    cpu = torch.device("cpu")
+    h, w, y, b, g, e = C.make_case(40, 16, 90, torch.bfloat16, 0, with_bias, 0.1, 4, cpu)
+    rows, cols = C.pick_subsets(y, 90, 10, 20, 4, 0, cpu)
+    lp, ent, dh, dw, db = C.reference(h, w, b, y, temperature, g, e, rows, cols, chunk=16)
+    h64, w64 = h.double().requires_grad_(), w.double().requires_grad_()
+    b64 = None if b is None else b.double().requires_grad_()
+    z = (h64 @ w64.T + (0 if b64 is None else b64)) / temperature
+    logp = torch.log_softmax(z, -1)
+    valid = y != C.IGNORE
+    ref_lp = logp.gather(1, torch.where(valid, y, 0)[:, None]).squeeze(1) * valid
+    ref_ent = -(logp.exp() * logp).sum(1) * valid
+    loss = (g.double() * ref_lp).sum() + (e.double() * ref_ent).sum()
+    grads = torch.autograd.grad(loss, [x for x in (h64, w64, b64) if x is not None])
+    for got, want in [(lp, ref_lp), (ent, ref_ent), (dh, grads[0][rows]), (dw, grads[1][cols])]:
+        torch.testing.assert_close(got, want.detach(), atol=1e-10, rtol=1e-10)
+    if with_bias:
+        torch.testing.assert_close(db, grads[2], atol=1e-10, rtol=1e-10)
+        assert (z.detach() < 0).all()
