@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test test-verl bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,22 @@ $(STAMP): $(PY) pyproject.toml requirements/dev.txt
 test: $(STAMP)
 	$(PY) -m pytest -q -ra
 
+# Optional integration group: verl 0.9.1 pins transformers < 5.11, so it gets its own environment.
+VERL_VENV  := .venv-verl
+VERL_STAMP := $(VERL_VENV)/.installed
+
+$(VERL_STAMP): pyproject.toml requirements/dev.txt requirements/verl.txt
+	test -x $(VERL_VENV)/bin/python || $(PYTHON) -m venv $(VERL_VENV)
+	$(VERL_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VERL_VENV)/bin/python -m pip install -q -r requirements/dev.txt
+	$(VERL_VENV)/bin/python -m pip install -q -c requirements/dev.txt -r requirements/verl.txt
+	$(VERL_VENV)/bin/python -m pip install -q --no-deps "verl==0.9.1"
+	$(VERL_VENV)/bin/python -m pip install -q --no-deps -e .
+	touch $(VERL_STAMP)
+
+test-verl: $(VERL_STAMP)
+	$(VERL_VENV)/bin/python -m pytest -q -ra -p no:cacheprovider tests/integrations_verl
+
 bench: $(STAMP)
 	$(PY) -m bench.kernels --preset cpu-small
 
@@ -25,4 +41,4 @@ demo: $(STAMP)
 	@echo "make demo arrives with the trainer (issue 4); see README"
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VERL_VENV) build *.egg-info .pytest_cache

@@ -48,3 +48,47 @@ class LinearLogprobEntropyFunction(torch.autograd.Function):
                 dw if ctx.needs_input_grad[1] else None,
                 db if bias is not None and ctx.needs_input_grad[2] else None,
                 None, None, None, None, None, None)
+
+
+class VocabParallelLogprobEntropyFunction(torch.autograd.Function):
+    """The same outputs when the LM head is split by vocabulary over the ranks of ``group``
+    (Megatron/verl tensor parallelism): rank r holds rows [r·V_local, (r+1)·V_local) of W, labels are
+    global ids. Each rank streams its shard; the [6, N] partial statistics are all-gathered and
+    combined exactly; in the backward each rank forms dW for its shard and dh is summed over ranks.
+
+    (hidden [N, D], weight [V_local, D], labels [N] int64) -> logprob [N], entropy [N], logsumexp [N].
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, temperature, ignore_index, group, backend):
+        import torch.distributed as dist
+
+        from fastcov.kernels._stats import combine_partials
+
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        local_labels = labels - rank * weight.shape[0]
+        stats, _ = backend.stats_forward(hidden, weight, None, local_labels, temperature, 0)
+        gathered = [torch.empty_like(stats) for _ in range(world)]
+        dist.all_gather(gathered, stats.contiguous(), group=group)
+        combined = combine_partials(torch.stack(gathered, dim=1))
+        valid = labels != ignore_index
+        logsumexp, logprob, entropy, _ = finalize(combined, valid, weight.shape[0] * world, False)
+        ctx.save_for_backward(hidden, weight, local_labels, logsumexp, entropy, valid)
+        ctx.temperature, ctx.group, ctx.backend = temperature, group, backend
+        ctx.mark_non_differentiable(logsumexp)
+        return logprob, entropy, logsumexp
+
+    @staticmethod
+    def backward(ctx, g_logprob, g_entropy, _):
+        import torch.distributed as dist
+
+        hidden, weight, local_labels, logsumexp, entropy, valid = ctx.saved_tensors
+        zero = torch.zeros_like(logsumexp)
+        g = zero if g_logprob is None else torch.where(valid, g_logprob.float(), zero)
+        e = zero if g_entropy is None else torch.where(valid, g_entropy.float(), zero)
+        dh, dw, _ = ctx.backend.grad_backward(
+            hidden, weight, None, local_labels, ctx.temperature, logsumexp, entropy, g, e
+        )
+        dh32 = dh.float()
+        dist.all_reduce(dh32, group=ctx.group)
+        return dh32.to(hidden.dtype), dw, None, None, None, None, None
