@@ -1,0 +1,48 @@
+"""`fastcov train CONFIG [key=value ...] [--resume [CHECKPOINT]]`."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Train a policy with GRPO-family advantages and a vanilla / Clip-Cov / KL-Cov loss. "
+        "Example: fastcov train configs/demo.yaml algo.mode=kl_cov trainer.max_steps=50"
+    )
+    parser.add_argument("config", help="YAML run config (see configs/)")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                        help="dotted overrides, values parsed as YAML (algo.mode=clip_cov optim.lr=1e-5)")
+    parser.add_argument("--resume", nargs="?", const=True, default=False, metavar="CHECKPOINT",
+                        help="resume from the newest checkpoint of the run (or the given checkpoint directory)")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    # The deepspeed launcher appends --local_rank=N; LOCAL_RANK in the environment is what counts.
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+
+
+def run(args: argparse.Namespace) -> int:
+    import sys
+
+    from fastcov.trainer.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        print(f"fastcov train: {exc}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        import yaml
+
+        print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+        return 0
+    from fastcov.trainer.train import RolloutError, train
+
+    try:
+        train(cfg, resume=args.resume)
+    except RolloutError as exc:
+        print(f"fastcov train: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("fastcov train: aborted without saving (second Ctrl-C)", file=sys.stderr)
+        return 130
+    return 0

@@ -1,0 +1,384 @@
+"""Run configuration: YAML files onto typed dataclasses, dotlist overrides, validation.
+
+    cfg = load_config("configs/demo.yaml", ["algo.mode=kl_cov", "trainer.max_steps=50"])
+
+Every key is checked: an unknown key or a value of the wrong type or outside its allowed set raises
+``ConfigError`` naming the dotted key (``algo.mdoe``, ``optim.lr``). The resolved config is written to the
+run directory as ``config.yaml`` by the trainer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+
+class ConfigError(ValueError):
+    """A bad config key or value; the message names the dotted key."""
+
+
+@dataclass
+class ModelConfig:
+    # Hugging Face path or directory (from_pretrained); None builds a fresh model from `arch`.
+    path: str | None = None
+    # Inline architecture for a fresh model: transformers config kwargs plus `model_type` (e.g. qwen2).
+    arch: dict[str, Any] | None = None
+    # Tokenizer path; "builtin:arith" builds the offline word-level tokenizer of the synthetic task.
+    # None means: the tokenizer saved next to `path`.
+    tokenizer: str | None = None
+    gradient_checkpointing: bool = False
+    # auto: flash_attention_2 when flash-attn is installed and a GPU is used, else sdpa.
+    attn_implementation: Literal["auto", "sdpa", "flash_attention_2", "eager"] = "auto"
+    # auto: bf16 on GPU, fp32 on CPU.
+    dtype: Literal["auto", "bf16", "fp32"] = "auto"
+
+
+@dataclass
+class SyntheticConfig:
+    """Arithmetic word problems answered in \\boxed{}; written as verl-style parquet into the run dir."""
+
+    enabled: bool = False
+    n_train: int = 2000
+    n_val: int = 200
+    min_ops: int = 1
+    max_ops: int = 2
+    max_value: int = 9
+    seed: int = 0
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)
+    val_files: list[str] = field(default_factory=list)
+    # When no val_files are given, this fraction of the training prompts is held out.
+    val_fraction: float = 0.05
+    max_prompt_len: int = 512
+    # None uses the tokenizer's chat template; a string is a Jinja chat template to use instead.
+    chat_template: str | None = None
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    # At most this many validation prompts are evaluated (0 = all).
+    max_val_prompts: int = 0
+
+
+@dataclass
+class RolloutConfig:
+    engine: Literal["hf"] = "hf"
+    n: int = 8  # rollouts per prompt
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 256
+    # Sequences generated per forward batch by the HF engine (0 = all at once).
+    batch_size: int = 0
+
+
+@dataclass
+class RewardConfig:
+    kind: Literal["binary", "pm1"] = "binary"  # 1/0 or +1/-1
+    timeout_s: float = 5.0
+    # process: math-verify runs in a worker process that is killed after timeout_s (a hard limit);
+    # inline: math-verify's own signal-based limit in the calling thread (faster, softer).
+    sandbox: Literal["process", "inline"] = "process"
+
+
+@dataclass
+class AlgoConfig:
+    adv_estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = "grpo"
+    mode: Literal["vanilla", "clip_cov", "kl_cov"] = "vanilla"
+    loss_agg: Literal[
+        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+    ] = "token-mean"
+    scope: Literal["microbatch"] = "microbatch"
+    clip_low: float = 0.2
+    clip_high: float = 0.2  # > clip_low gives DAPO's clip-higher
+    dual_clip_c: float | None = None
+    clip_cov_ratio: float = 2e-4
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 2e-4
+    kl_cov_coef: float = 1.0
+    entropy_coef: float = 0.0
+    pos_adv_weight: float = 1.0
+    neg_adv_weight: float = 1.0
+    # Jin et al.'s entropy-guided lambda schedule for the positive-advantage weight.
+    pos_weight_schedule: bool = False
+    pos_weight_target_entropy: float = 0.2
+    pos_weight_delta: float = 0.05
+    high_entropy_fraction: float | None = None
+    cov_score: Literal["batch", "vocab"] = "batch"
+    dapo_filter: bool = False
+    ppo_epochs: int = 1
+    mini_batches: int = 1  # optimizer steps per rollout batch
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    schedule: Literal["constant", "warmup", "cosine"] = "constant"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0  # cosine floor, as a fraction of lr
+    grad_clip: float = 1.0
+
+
+@dataclass
+class TrainerConfig:
+    run_dir: str = "runs/default"
+    seed: int = 0
+    max_steps: int = 100
+    prompts_per_step: int = 16  # global, over all data-parallel ranks
+    micro_token_budget: int = 8192  # tokens per micro-batch and rank (prompt + response)
+    zero_stage: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    eval_every: int = 10  # 0 = never; evaluation also runs at step 0 and at the end
+    eval_k: int = 1
+    eval_temperature: float = 0.6  # for data sources aime/aime25/amc; others are greedy
+    eval_max_new_tokens: int | None = None  # None: rollout.max_new_tokens
+    save_every: int = 0  # 0 = only at the end and on Ctrl-C
+    keep_last: int = 2
+    progress: bool = True
+    tensorboard: bool = False
+    wandb: bool = False
+    wandb_project: str = "fastcov"
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _to_plain(dataclasses.asdict(self))
+
+
+def _to_plain(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _to_plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_to_plain(v) for v in obj]
+    return obj
+
+
+# ----------------------------------------------------------------------------------------------- typing
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check ``value`` against the annotation ``tp`` and return it converted (int -> float, list -> tuple)."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(f"{key}: {value!r} does not match {_type_name(tp)}")
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(repr, args))}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return _build(tp, value, key)
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        if origin is tuple:
+            if len(args) == 2 and args[1] is Ellipsis:
+                return tuple(_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
+            if len(value) != len(args):
+                raise ConfigError(f"{key}: expected {len(args)} items, got {len(value)}")
+            return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+        return [_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)] if args else list(value)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true/false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, str):
+            # PyYAML reads "1e-4" (no dot) as a string.
+            try:
+                value = float(value)
+            except ValueError:
+                raise ConfigError(f"{key}: expected a number, got {value!r}") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{key}: unsupported annotation {tp!r}")  # pragma: no cover
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for k in data:
+        if k not in names:
+            full = f"{prefix}.{k}" if prefix else str(k)
+            raise ConfigError(f"unknown config key {full!r} (known: {', '.join(sorted(names))})")
+    kwargs = {}
+    for k, v in data.items():
+        full = f"{prefix}.{k}" if prefix else k
+        kwargs[k] = _coerce(v, hints[k], full)
+    return cls(**kwargs)
+
+
+# ----------------------------------------------------------------------------------------------- values
+
+def _check(cond: bool, key: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"{key}: {msg}")
+
+
+def validate(cfg: Config) -> Config:
+    """Range checks that types cannot express; raises ConfigError naming the key."""
+    m, d, r, a, o, t = cfg.model, cfg.data, cfg.rollout, cfg.algo, cfg.optim, cfg.trainer
+    _check((m.path is None) != (m.arch is None), "model.path",
+           "set exactly one of model.path (pretrained) and model.arch (fresh model)")
+    if m.arch is not None:
+        _check("model_type" in m.arch, "model.arch.model_type", "required (e.g. qwen2)")
+    _check(m.path is not None or m.tokenizer is not None, "model.tokenizer",
+           "required when the model is built from model.arch")
+    _check(bool(d.train_files) or d.synthetic.enabled, "data.train_files",
+           "give parquet files or enable data.synthetic")
+    _check(0.0 <= d.val_fraction < 1.0, "data.val_fraction", f"must be in [0, 1), got {d.val_fraction}")
+    _check(d.max_prompt_len > 0, "data.max_prompt_len", "must be > 0")
+    _check(d.max_val_prompts >= 0, "data.max_val_prompts", "must be >= 0")
+    s = d.synthetic
+    _check(s.n_train > 0, "data.synthetic.n_train", "must be > 0")
+    _check(s.n_val >= 0, "data.synthetic.n_val", "must be >= 0")
+    _check(1 <= s.min_ops <= s.max_ops, "data.synthetic.min_ops", "need 1 <= min_ops <= max_ops")
+    _check(s.max_value >= 2, "data.synthetic.max_value", "must be >= 2")
+    _check(r.n >= 1, "rollout.n", f"must be >= 1, got {r.n}")
+    _check(r.temperature > 0, "rollout.temperature", f"must be > 0, got {r.temperature}")
+    _check(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
+    _check(r.max_new_tokens > 0, "rollout.max_new_tokens", "must be > 0")
+    _check(r.batch_size >= 0, "rollout.batch_size", "must be >= 0")
+    _check(cfg.reward.timeout_s > 0, "reward.timeout_s", "must be > 0")
+    _check(0 <= a.clip_low < 1, "algo.clip_low", f"must be in [0, 1), got {a.clip_low}")
+    _check(a.clip_high >= 0, "algo.clip_high", "must be >= 0")
+    _check(a.dual_clip_c is None or a.dual_clip_c > 1, "algo.dual_clip_c", "must be > 1")
+    for name in ("clip_cov_ratio", "kl_cov_ratio"):
+        v = getattr(a, name)
+        _check(0 < v <= 1, f"algo.{name}", f"must be in (0, 1], got {v}")
+    _check(a.clip_cov_lb < a.clip_cov_ub, "algo.clip_cov_lb", "must be < algo.clip_cov_ub")
+    _check(a.kl_cov_coef >= 0, "algo.kl_cov_coef", "must be >= 0")
+    for name in ("pos_adv_weight", "neg_adv_weight"):
+        v = getattr(a, name)
+        _check(0 <= v <= 1, f"algo.{name}", f"must be in [0, 1], got {v}")
+    _check(a.high_entropy_fraction is None or 0 < a.high_entropy_fraction <= 1,
+           "algo.high_entropy_fraction", "must be in (0, 1]")
+    _check(a.ppo_epochs >= 1, "algo.ppo_epochs", "must be >= 1")
+    _check(a.mini_batches >= 1, "algo.mini_batches", "must be >= 1")
+    _check(a.mini_batches <= t.prompts_per_step, "algo.mini_batches", "must be <= trainer.prompts_per_step")
+    if a.adv_estimator in ("grpo", "dr_grpo", "rloo"):
+        _check(r.n >= 2, "rollout.n", f"{a.adv_estimator} needs >= 2 rollouts per prompt")
+    _check(o.lr > 0, "optim.lr", f"must be > 0, got {o.lr}")
+    _check(o.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
+    _check(all(0 <= b < 1 for b in o.betas), "optim.betas", "must be in [0, 1)")
+    _check(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
+    _check(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", "must be in [0, 1]")
+    _check(o.grad_clip >= 0, "optim.grad_clip", "must be >= 0 (0 disables)")
+    _check(t.max_steps >= 0, "trainer.max_steps", "must be >= 0")
+    _check(t.prompts_per_step >= 1, "trainer.prompts_per_step", "must be >= 1")
+    _check(t.micro_token_budget >= 1, "trainer.micro_token_budget", "must be >= 1")
+    _check(t.zero_stage in (0, 1, 2, 3), "trainer.zero_stage", f"must be 0, 1, 2 or 3, got {t.zero_stage}")
+    _check(t.eval_every >= 0, "trainer.eval_every", "must be >= 0")
+    _check(t.eval_k >= 1, "trainer.eval_k", "must be >= 1")
+    _check(t.save_every >= 0, "trainer.save_every", "must be >= 0")
+    _check(t.keep_last >= 1, "trainer.keep_last", "must be >= 1")
+    return cfg
+
+
+# ----------------------------------------------------------------------------------------------- loading
+
+def _parse_scalar(text: str) -> Any:
+    import yaml
+
+    try:
+        return yaml.safe_load(text) if text != "" else ""
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``a.b.c=value`` overrides (value parsed as YAML) to a nested dict, in place."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected key=value")
+        key, text = item.split("=", 1)
+        key = key.strip()
+        if not key or any(not part for part in key.split(".")):
+            raise ConfigError(f"override {item!r}: bad key {key!r}")
+        node = data
+        parts = key.split(".")
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: {'.'.join(parts[: i + 1])} is not a section")
+            node = child
+        node[parts[-1]] = _parse_scalar(text)
+    return data
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    if not isinstance(data, dict):
+        raise ConfigError(f"config: expected a mapping at the top level, got {type(data).__name__}")
+    return validate(_build(Config, data, ""))
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    """Read a YAML file (or start from defaults when ``path`` is None), apply overrides, validate."""
+    import yaml
+
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        with open(p) as f:
+            data = yaml.safe_load(f) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {str(p)!r}: expected a mapping at the top level")
+    apply_overrides(data, list(overrides or []))
+    return config_from_dict(data)
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    import yaml
+
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)

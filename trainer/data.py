@@ -1,0 +1,197 @@
+"""Prompt data: verl-style parquet in, tokenized de-duplicated prompts out, sampled in a resumable order.
+
+Parquet columns (verl's): ``prompt`` — a list of chat messages ``{"role", "content"}``;
+``reward_model`` — a struct with ``ground_truth``; ``data_source`` — a string (used to pick the evaluation
+temperature). Other columns are ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class Example:
+    """One prompt. ``prompt_ids``: token ids (chat template applied, generation prompt appended)."""
+
+    prompt_ids: list[int]
+    messages: list[dict[str, str]]
+    ground_truth: str
+    data_source: str
+    key: str = field(repr=False, default="")
+
+
+def _messages(value: Any, where: str) -> list[dict[str, str]]:
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    try:
+        msgs = [{"role": str(m["role"]), "content": str(m["content"])} for m in value]
+    except (TypeError, KeyError) as exc:
+        raise ValueError(f"{where}: 'prompt' must be a list of {{role, content}} messages") from exc
+    if not msgs:
+        raise ValueError(f"{where}: empty 'prompt'")
+    return msgs
+
+
+def _ground_truth(value: Any, where: str) -> str:
+    if isinstance(value, dict) and "ground_truth" in value:
+        gt = value["ground_truth"]
+    else:
+        raise ValueError(f"{where}: 'reward_model' must be a struct with a 'ground_truth' field")
+    if hasattr(gt, "tolist"):
+        gt = gt.tolist()
+    if isinstance(gt, (list, tuple)):
+        gt = gt[0] if len(gt) == 1 else ",".join(map(str, gt))
+    return str(gt)
+
+
+def read_parquet(path: str | Path) -> list[dict[str, Any]]:
+    """Rows of a verl-style parquet file as ``{"messages", "ground_truth", "data_source"}``."""
+    import pyarrow.parquet as pq
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"data file {str(path)!r} does not exist")
+    table = pq.read_table(path)
+    cols = set(table.column_names)
+    for required in ("prompt", "reward_model"):
+        if required not in cols:
+            raise ValueError(f"{path}: missing column {required!r} (have {sorted(cols)})")
+    rows = table.to_pylist()
+    out = []
+    for i, row in enumerate(rows):
+        where = f"{path} row {i}"
+        out.append({
+            "messages": _messages(row["prompt"], where),
+            "ground_truth": _ground_truth(row["reward_model"], where),
+            "data_source": str(row.get("data_source") or "unknown"),
+        })
+    return out
+
+
+def load_examples(files: list[str], tokenizer, max_prompt_len: int, chat_template: str | None = None,
+                  exclude: set[str] | None = None) -> tuple[list[Example], dict[str, int]]:
+    """Read, de-duplicate (by message list), tokenize with the chat template, drop over-long prompts.
+
+    Returns the examples and counts {"rows", "duplicates", "excluded", "too_long"}.
+    """
+    seen: set[str] = set()
+    exclude = exclude or set()
+    stats = {"rows": 0, "duplicates": 0, "excluded": 0, "too_long": 0}
+    out: list[Example] = []
+    for f in files:
+        for row in read_parquet(f):
+            stats["rows"] += 1
+            key = json.dumps(row["messages"], sort_keys=True)
+            if key in seen:
+                stats["duplicates"] += 1
+                continue
+            seen.add(key)
+            if key in exclude:
+                stats["excluded"] += 1
+                continue
+            ids = tokenizer.apply_chat_template(
+                row["messages"], add_generation_prompt=True, tokenize=False, chat_template=chat_template
+            )
+            ids = tokenizer(ids, add_special_tokens=False)["input_ids"]
+            if len(ids) > max_prompt_len:
+                stats["too_long"] += 1
+                continue
+            out.append(Example(ids, row["messages"], row["ground_truth"], row["data_source"], key))
+    return out, stats
+
+
+def split_train_val(examples: list[Example], val_fraction: float, seed: int) -> tuple[list[Example], list[Example]]:
+    """Hold out ``val_fraction`` of the examples (seeded), at least one when the fraction is > 0."""
+    if val_fraction <= 0 or len(examples) < 2:
+        return list(examples), []
+    idx = list(range(len(examples)))
+    random.Random(seed).shuffle(idx)
+    n_val = max(1, int(round(val_fraction * len(examples))))
+    val_idx = set(idx[:n_val])
+    return ([e for i, e in enumerate(examples) if i not in val_idx],
+            [e for i, e in enumerate(examples) if i in val_idx])
+
+
+class PromptSampler:
+    """Prompts in a seeded order, reshuffled every epoch; the position is part of the checkpoint."""
+
+    def __init__(self, n: int, seed: int):
+        if n <= 0:
+            raise ValueError("PromptSampler: the training set is empty")
+        self.n = n
+        self.seed = seed
+        self.epoch = 0
+        self.pos = 0
+        self._order = self._perm(0)
+
+    def _perm(self, epoch: int) -> list[int]:
+        order = list(range(self.n))
+        random.Random(self.seed * 100003 + epoch).shuffle(order)
+        return order
+
+    def next(self, count: int) -> list[int]:
+        out = []
+        while len(out) < count:
+            if self.pos >= self.n:
+                self.epoch += 1
+                self.pos = 0
+                self._order = self._perm(self.epoch)
+            take = min(count - len(out), self.n - self.pos)
+            out.extend(self._order[self.pos : self.pos + take])
+            self.pos += take
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "pos": self.pos, "n": self.n, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state["n"] != self.n:
+            raise ValueError(f"resume: the training set has {self.n} prompts, the checkpoint had {state['n']}")
+        self.seed = state["seed"]
+        self.epoch = state["epoch"]
+        self.pos = state["pos"]
+        self._order = self._perm(self.epoch)
+
+
+def prepare_data(cfg, tokenizer, run_dir: Path, rank: int = 0):
+    """Train and validation examples for a Config (writes the synthetic task into the run dir first).
+
+    Only rank 0 writes files; callers synchronise before other ranks read them.
+    """
+    d = cfg.data
+    train_files, val_files = list(d.train_files), list(d.val_files)
+    if d.synthetic.enabled:
+        s = d.synthetic
+        data_dir = run_dir / "data"
+        tr, va = data_dir / "train.parquet", data_dir / "val.parquet"
+        if rank == 0 and not tr.exists():
+            from fastcov.trainer.synthetic import write_task
+
+            data_dir.mkdir(parents=True, exist_ok=True)
+            write_task(str(tr), str(va), s.n_train, s.n_val, s.seed, s.min_ops, s.max_ops, s.max_value)
+        train_files.append(str(tr))
+        if s.n_val:
+            val_files.append(str(va))
+    return train_files, val_files
+
+
+def load_train_val(cfg, tokenizer, train_files: list[str], val_files: list[str]):
+    d = cfg.data
+    if val_files:
+        val, vstats = load_examples(val_files, tokenizer, d.max_prompt_len, d.chat_template)
+        train, tstats = load_examples(train_files, tokenizer, d.max_prompt_len, d.chat_template,
+                                      exclude={e.key for e in val})
+    else:
+        allx, tstats = load_examples(train_files, tokenizer, d.max_prompt_len, d.chat_template)
+        train, val = split_train_val(allx, d.val_fraction, cfg.trainer.seed)
+        vstats = {}
+    if d.max_val_prompts and len(val) > d.max_val_prompts:
+        val = val[: d.max_val_prompts]
+    if not train:
+        raise ValueError(f"data.train_files: no usable training prompts in {train_files} ({tstats})")
+    return train, val, {"train": tstats, "val": vstats}

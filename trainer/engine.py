@@ -1,0 +1,192 @@
+"""The policy engine: DeepSpeed (ZeRO 0-3) around a PolicyModel, AdamW, lr schedule, gradient clipping.
+
+One process on CPU works without a launcher (DS_ACCELERATOR=cpu, gloo); several processes come from
+the ``deepspeed`` or ``torchrun`` launchers, which set RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR.
+bf16 on GPU, fp32 on CPU. The lr is a pure function of the optimizer step (``lr_at``), so resuming the
+step count restores the schedule.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pick_device(choice: str) -> torch.device:
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ValueError("trainer.device: 'cuda' asked for but no GPU is visible")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def init_distributed(device: torch.device) -> tuple[int, int]:
+    """Start torch.distributed through DeepSpeed (gloo on CPU, nccl on GPU). Returns (rank, world)."""
+    if device.type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    for k, v in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(k, v)
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    import deepspeed
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend="gloo" if device.type == "cpu" else "nccl",
+                                   verbose=False)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def lr_at(step: int, ocfg, max_steps: int) -> float:
+    """Learning rate for optimizer step ``step`` (0-based) under OptimConfig ``ocfg``."""
+    base = ocfg.lr
+    w = ocfg.warmup_steps
+    if ocfg.schedule in ("warmup", "cosine") and w > 0 and step < w:
+        return base * (step + 1) / w
+    if ocfg.schedule == "cosine":
+        span = max(1, max_steps - w)
+        t = min(1.0, max(0, step - w) / span)
+        floor = ocfg.min_lr_ratio
+        return base * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * t)))
+    return base
+
+
+def ds_config(cfg, device: torch.device, world: int) -> dict:
+    zero = {"stage": cfg.trainer.zero_stage}
+    if cfg.trainer.zero_stage == 3:
+        # Gather parameters eagerly for tiny models; large models keep DeepSpeed's defaults.
+        zero.update({"stage3_param_persistence_threshold": 0})
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": world,
+        "gradient_clipping": cfg.optim.grad_clip,
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        "bf16": {"enabled": device.type == "cuda" and cfg.model.dtype != "fp32"},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+class PolicyEngine:
+    """DeepSpeed engine plus the bits of state the loop needs (optimizer steps, skipped steps)."""
+
+    def __init__(self, policy, cfg, device: torch.device, world: int):
+        import deepspeed
+
+        self.cfg = cfg
+        self.device = device
+        self.zero_stage = cfg.trainer.zero_stage
+        self.world = world
+        if self.zero_stage == 3:
+            policy.register_external_head()
+        o = cfg.optim
+        params = [p for p in policy.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                                      weight_decay=o.weight_decay)
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=policy, optimizer=optimizer, config=ds_config(cfg, device, world)
+        )
+        self.policy = self.engine.module
+        self.steps = 0  # optimizer steps attempted (applied or skipped)
+
+    # ---------------------------------------------------------------- forward / backward / step
+    def __call__(self, *args, **kwargs):
+        return self.engine(*args, **kwargs)
+
+    def train(self) -> None:
+        self.engine.train()
+
+    def eval(self) -> None:
+        self.engine.eval()
+
+    def backward(self, loss: torch.Tensor, boundary: bool) -> None:
+        self.engine.set_gradient_accumulation_boundary(boundary)
+        self.engine.backward(loss, scale_wrt_gas=False)
+
+    def step(self, lr: float, poisoned: bool) -> tuple[bool, float | None]:
+        """Apply the optimizer step with learning rate ``lr`` unless the gradients are non-finite.
+
+        ``poisoned``: a non-finite loss was seen on some rank (already agreed across ranks).
+        Returns (applied, grad_norm).
+        """
+        import torch.distributed as dist
+
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        self.steps += 1
+        norm = None
+        if self.zero_stage == 0:
+            grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
+            local = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+            bad = torch.tensor([0.0 if (not poisoned and bool(torch.isfinite(local))) else 1.0],
+                               device=local.device)
+            dist.all_reduce(bad)
+            if bad.item() > 0:
+                self.engine.zero_grad()
+                return False, None
+            norm = float(local)  # this rank's norm: with stage 0 the gradients are already averaged
+        self.engine.step()
+        applied = self.engine.was_step_applied() and not poisoned
+        if norm is None:
+            norm = self.engine.get_global_grad_norm()
+            norm = None if norm is None else float(norm)
+        if norm is not None and not math.isfinite(norm):
+            applied = False
+        return applied, norm
+
+    # ---------------------------------------------------------------- weights
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, full tensor) pairs of the HF model, named as its ``named_parameters()``.
+
+        Under ZeRO-3 each tensor is gathered only while the consumer holds it: every rank must iterate
+        to the end, and a consumer copies the tensor before asking for the next one.
+        """
+        lm = self.policy.lm
+        if self.zero_stage == 3:
+            import deepspeed
+
+            for name, p in lm.named_parameters():
+                with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
+                    yield name, p.data
+        else:
+            for name, p in lm.named_parameters():
+                yield name, p.data
+        for name, b in lm.named_buffers():
+            yield name, b
+
+    @contextmanager
+    def gathered_model(self):
+        """The HF model with all parameters gathered (ZeRO-3) for saving or evaluation."""
+        lm = self.policy.lm
+        if self.zero_stage == 3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(list(lm.parameters()), modifier_rank=None):
+                yield lm
+        else:
+            yield lm
+
+    # ---------------------------------------------------------------- checkpoints
+    def save(self, directory: str) -> None:
+        self.engine.save_checkpoint(directory, tag="ds", client_state={"steps": self.steps})
+
+    def load(self, directory: str) -> None:
+        path, client = self.engine.load_checkpoint(directory, tag="ds", load_optimizer_states=True,
+                                                   load_lr_scheduler_states=False)
+        if path is None:
+            raise FileNotFoundError(f"resume: no DeepSpeed checkpoint under {directory!r}")
+        self.steps = int(client.get("steps", 0))

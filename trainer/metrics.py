@@ -1,0 +1,74 @@
+"""Metric sinks: ``<run>/metrics.jsonl`` (always), TensorBoard and W&B (when installed and enabled)."""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from pathlib import Path
+from typing import Any
+
+
+def _clean(v: Any) -> Any:
+    if hasattr(v, "item"):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return None if math.isnan(v) else (1e308 if v > 0 else -1e308)
+    return v
+
+
+class MetricsLogger:
+    """Rank 0 only. ``log(record)`` appends one JSON line and forwards numbers to the optional sinks."""
+
+    def __init__(self, run_dir: Path, config: dict, tensorboard: bool = False, wandb: bool = False,
+                 wandb_project: str = "fastcov", resume_step: int | None = None):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        if resume_step is not None and self.path.exists():
+            # Drop lines past the checkpoint so a resumed run does not log a step twice.
+            keep = [ln for ln in self.path.read_text().splitlines()
+                    if ln.strip() and json.loads(ln).get("step", 0) <= resume_step]
+            self.path.write_text("".join(ln + "\n" for ln in keep))
+        elif resume_step is None and self.path.exists():
+            self.path.unlink()
+        self._f = open(self.path, "a")
+        self.tb = None
+        self.wb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+            except ImportError:
+                warnings.warn("trainer.tensorboard: tensorboard is not installed; skipping", stacklevel=2)
+        if wandb:
+            try:
+                import wandb as _wandb
+
+                self.wb = _wandb.init(project=wandb_project, dir=str(run_dir), config=config,
+                                      name=Path(run_dir).name, resume="allow")
+            except ImportError:
+                warnings.warn("trainer.wandb: wandb is not installed; skipping", stacklevel=2)
+
+    def log(self, record: dict[str, Any]) -> None:
+        rec = {k: _clean(v) for k, v in record.items()}
+        self._f.write(json.dumps(rec) + "\n")
+        self._f.flush()
+        step = rec.get("step", 0)
+        nums = {k: v for k, v in rec.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if self.tb is not None:
+            for k, v in nums.items():
+                self.tb.add_scalar(k, v, step)
+        if self.wb is not None:
+            self.wb.log(nums, step=step)
+
+    def close(self) -> None:
+        self._f.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.wb is not None:
+            self.wb.finish()
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

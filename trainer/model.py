@@ -1,0 +1,137 @@
+"""Models and tokenizers: Hugging Face causal LMs by path, or fresh ones from an inline architecture.
+
+The policy never materialises logits: ``PolicyModel.forward`` runs the decoder to its last hidden states
+and hands them with the LM head weight to ``fastcov.linear_logprob_entropy``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def _tokenizer_class(name: str) -> str | None:
+    import json
+    from pathlib import Path
+
+    cfg = Path(name) / "tokenizer_config.json"
+    if not cfg.is_file():
+        return None
+    try:
+        return json.loads(cfg.read_text()).get("tokenizer_class")
+    except (OSError, ValueError):
+        return None
+
+
+def load_tokenizer(mcfg):
+    """The tokenizer for a ModelConfig; pad token set (falls back to eos)."""
+    name = mcfg.tokenizer or mcfg.path
+    if name == "builtin:arith":
+        from fastcov.trainer.synthetic import build_tokenizer
+
+        tok = build_tokenizer()
+    else:
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+        try:
+            # A plain tokenizers-backed tokenizer (like the builtin one) loads as itself: AutoTokenizer
+            # would substitute the model type's own class (Qwen2Tokenizer) and re-tokenize differently.
+            if _tokenizer_class(name) in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+                tok = PreTrainedTokenizerFast.from_pretrained(name)
+            else:
+                tok = AutoTokenizer.from_pretrained(name)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"model.tokenizer: cannot load a tokenizer from {name!r}: {exc}") from exc
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    if tok.eos_token_id is None:
+        raise ValueError(f"model.tokenizer: {name!r} has no eos token")
+    return tok
+
+
+def resolve_attn(choice: str, device: torch.device) -> str:
+    if choice != "auto":
+        return choice
+    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
+
+
+def build_model(mcfg, device: torch.device, dtype: torch.dtype, tokenizer=None) -> nn.Module:
+    """A causal LM (fp32 or bf16 parameters on ``device``): ``from_pretrained(path)`` or fresh from ``arch``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    attn = resolve_attn(mcfg.attn_implementation, device)
+    if mcfg.path is not None:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(mcfg.path, dtype=dtype, attn_implementation=attn)
+        except OSError as exc:
+            raise ValueError(f"model.path: cannot load {mcfg.path!r}: {exc}") from exc
+    else:
+        arch: dict[str, Any] = dict(mcfg.arch)
+        model_type = arch.pop("model_type")
+        if tokenizer is not None:
+            arch.setdefault("vocab_size", len(tokenizer))
+            arch.setdefault("eos_token_id", tokenizer.eos_token_id)
+            arch.setdefault("pad_token_id", tokenizer.pad_token_id)
+            arch.setdefault("bos_token_id", None)
+        try:
+            config = AutoConfig.for_model(model_type, **arch)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"model.arch: {exc}") from exc
+        config._attn_implementation = attn
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
+    if mcfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    return model.to(device)
+
+
+def decoder_of(model: nn.Module) -> nn.Module:
+    """The module that maps input ids to last hidden states (``model.model`` for Qwen2/Llama)."""
+    base = getattr(model, model.base_model_prefix, None)
+    if base is None or base is model:
+        raise ValueError(f"model: cannot find the decoder of {type(model).__name__}")
+    return base
+
+
+class PolicyModel(nn.Module):
+    """Wraps a causal LM so that its forward returns per-token log-probs and entropies, never logits.
+
+    Under ZeRO-3 the LM head weight is used outside its own module's forward, so the caller registers
+    it as an external parameter of this wrapper (``register_external_head``).
+    """
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def register_external_head(self) -> None:
+        from deepspeed.runtime.zero import register_external_parameter
+
+        head = self.lm.get_output_embeddings()
+        register_external_parameter(self, head.weight)
+        if getattr(head, "bias", None) is not None:
+            register_external_parameter(self, head.bias)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor,
+                temperature: float = 1.0, entropy: bool = True, vocab_cov: bool = False):
+        """input_ids, attention_mask, labels: int64 [B, T] (right padding; labels[t] is the token that
+        follows position t, ``-100`` where no loss is taken). Returns fastcov's LogprobEntropy with
+        fp32 ``logprob``/``entropy`` of shape [B, T] (0 at ignored positions)."""
+        from fastcov import linear_logprob_entropy
+
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+        hidden = decoder_of(self.lm)(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
+        head = self.lm.get_output_embeddings()
+        weight = head.weight
+        bias = getattr(head, "bias", None)
+        if hidden.dtype != weight.dtype:
+            hidden = hidden.to(weight.dtype)
+        return linear_logprob_entropy(hidden, weight, labels, bias=bias, temperature=temperature,
+                                      entropy=entropy, vocab_cov=vocab_cov)
