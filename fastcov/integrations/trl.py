@@ -1,0 +1,362 @@
+"""TRL: GRPO with fastcov's fused log-probs/entropies and its Clip-Cov / KL-Cov / vanilla policy losses.
+
+    from fastcov.integrations.trl import FastcovGRPOConfig, FastcovGRPOTrainer
+    args = FastcovGRPOConfig(output_dir="out", fastcov_loss_mode="kl_cov", kl_cov_ratio=2e-3)
+    trainer = FastcovGRPOTrainer(model=model, reward_funcs=reward_fn, args=args, train_dataset=ds)
+    trainer.train()     # logs fastcov/selected_frac, fastcov/cov_mean, fastcov/clipfrac, fastcov/ppo_kl, ...
+
+Tested with trl 1.16. The trainer overrides three hooks of ``trl.GRPOTrainer`` and nothing else:
+
+* ``_get_per_token_logps_and_entropies``: log π(y_t) and H_t of the completion tokens, [B, C] fp32, from
+  the decoder's last hidden state and ``lm_head.weight`` through ``fastcov.linear_logprob_entropy``
+  (no [B, T, V] logits; TRL's ``temperature``; only the last ``logits_to_keep`` positions are scored).
+  The decoder runs inside the model's forward (a ``fastcov_logits_to_keep=`` keyword this module adds to
+  the policy's and reference model's forward), so DDP / accelerate wrappers see a normal forward.
+* ``_compute_loss``: ``fastcov.policy_loss`` with the configured mode; TRL's KL-to-reference term when
+  ``beta != 0``; fastcov's metrics go to TRL's ``_metrics`` under ``fastcov/<name>``.
+* ``_generate_and_score_completions`` (``fastcov_scope="global"`` only): computes the Clip-Cov / KL-Cov
+  selection once per rollout batch over every data-parallel rank (``fastcov.compute_global_selection``)
+  and hands each micro-batch its rows.
+
+Mapping of TRL's options (``FastcovGRPOConfig``)::
+
+    epsilon, epsilon_high  -> LossConfig.clip_low, clip_high      (PPO clip of vanilla and clip_cov; kl_cov has none)
+    delta                  -> LossConfig.dual_clip_c              (must be > 1 + epsilon_high; not with kl_cov)
+    top_entropy_quantile   -> LossConfig.high_entropy_fraction    (in (0, 1]; 1 = all tokens)
+    loss_type "dapo"       -> agg "token-mean", denominator = TRL's (active tokens of the accumulated batch)
+              "bnpo"       -> agg "token-mean" over the micro-batch, / gradient_accumulation_steps
+              "grpo"       -> agg "seq-mean-token-mean" over the micro-batch's B rows, / gradient_accumulation_steps
+              "dr_grpo"    -> agg "seq-mean-token-sum-norm", loss_scale_factor = max_completion_length, / GA steps
+    beta                   -> TRL's k3 KL to the reference model, aggregated like the policy loss
+
+Refused (ValueError naming the option): loss_type cispo / sapo / vespo / luspo, importance_sampling_level
+"sequence", off_policy_mask_threshold, entropy_coef / use_adaptive_entropy (Clip-Cov and KL-Cov are the entropy
+control), vLLM importance-sampling correction (fastcov's loss has no per-token weight), MoE router aux loss,
+multimodal inputs, DeepSpeed ZeRO-3 and FSDP (the fused kernel reads ``lm_head.weight`` whole in its backward).
+
+Scope. ``"microbatch"`` (default) selects inside each ``_compute_loss`` call on each rank, like verl's
+``loss_mode=clip_cov|kl_cov``. ``"global"`` selects over the whole rollout batch of all ranks of the world
+process group (covariance means, k and the top-k / random pick), so the selection no longer depends on
+``per_device_train_batch_size`` or the GPU count. It needs each rollout batch to be one optimizer step
+(``steps_per_generation == gradient_accumulation_steps``, ``num_iterations == 1``: TRL's default), so the
+policy that scores the selection is the one that generated it; it costs one extra no-grad forward per
+rollout when TRL has not computed the old log-probs itself. Loss denominators are TRL's in both scopes.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from fastcov.integrations._require import require
+from fastcov.losses import LossConfig, Selection, aggregate_loss, compute_global_selection, policy_loss
+
+require("trl", "trl", "trl")
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+
+from fastcov.integrations.transformers import (  # noqa: E402
+    FastcovCausalLMOutput,
+    _decoder_and_head,
+    fused_logprob_entropy,
+)
+
+MODES = ("vanilla", "clip_cov", "kl_cov")
+SCOPES = ("microbatch", "global")
+LOSS_TYPE_AGG = {
+    "dapo": "token-mean",
+    "bnpo": "token-mean",
+    "grpo": "seq-mean-token-mean",
+    "dr_grpo": "seq-mean-token-sum-norm",
+}
+_DEFAULTS = LossConfig()
+_SELECTION_KEYS = ("fastcov_cov_selection", "fastcov_high_entropy_selection")
+
+
+@dataclass
+class FastcovGRPOConfig(GRPOConfig):
+    """``trl.GRPOConfig`` plus fastcov's loss options (see the module docstring for the mapping).
+
+    fastcov_loss_mode: "vanilla" | "clip_cov" | "kl_cov".
+    clip_cov_ratio, clip_cov_lb, clip_cov_ub: Clip-Cov fraction of valid tokens and open covariance band.
+    kl_cov_ratio, kl_cov_coef: KL-Cov fraction of valid tokens and β.
+    fastcov_scope: "microbatch" | "global".
+    """
+
+    fastcov_loss_mode: str = field(default="kl_cov", metadata={"help": "vanilla | clip_cov | kl_cov"})
+    clip_cov_ratio: float = field(default=_DEFAULTS.clip_cov_ratio, metadata={"help": "Clip-Cov token fraction"})
+    clip_cov_lb: float = field(default=_DEFAULTS.clip_cov_lb, metadata={"help": "Clip-Cov band, lower bound"})
+    clip_cov_ub: float = field(default=_DEFAULTS.clip_cov_ub, metadata={"help": "Clip-Cov band, upper bound"})
+    kl_cov_ratio: float = field(default=_DEFAULTS.kl_cov_ratio, metadata={"help": "KL-Cov token fraction"})
+    kl_cov_coef: float = field(default=_DEFAULTS.kl_cov_coef, metadata={"help": "KL-Cov coefficient β"})
+    fastcov_scope: str = field(default="microbatch", metadata={"help": "microbatch | global"})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.fastcov_loss_mode not in MODES:
+            raise ValueError(f"fastcov_loss_mode must be one of {MODES}, got {self.fastcov_loss_mode!r}")
+        if self.fastcov_scope not in SCOPES:
+            raise ValueError(f"fastcov_scope must be one of {SCOPES}, got {self.fastcov_scope!r}")
+        if self.loss_type not in LOSS_TYPE_AGG:
+            raise ValueError(
+                f"loss_type={self.loss_type!r} is not supported by FastcovGRPOConfig; use one of "
+                f"{tuple(LOSS_TYPE_AGG)} (fastcov's losses are PPO-clip / Clip-Cov / KL-Cov)"
+            )
+        refused = {
+            "importance_sampling_level": (self.importance_sampling_level != "token", "must be 'token'"),
+            "off_policy_mask_threshold": (self.off_policy_mask_threshold is not None, "must be None"),
+            "entropy_coef": (self.entropy_coef != 0.0, "must be 0 (Clip-Cov / KL-Cov control the entropy)"),
+            "use_adaptive_entropy": (bool(self.use_adaptive_entropy), "must be False"),
+            "vllm_importance_sampling_correction": (
+                bool(self.use_vllm and self.vllm_importance_sampling_correction),
+                "must be False with use_vllm (fastcov's loss takes no per-token importance weights)",
+            ),
+        }
+        for name, (bad, why) in refused.items():
+            if bad:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not supported by FastcovGRPOConfig: {why}")
+        for name in ("epsilon", "epsilon_high"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value) or value < 0):
+                raise ValueError(f"{name} must be a finite number ≥ 0, got {value!r}")
+        if self.delta is not None:
+            if self.fastcov_loss_mode == "kl_cov":
+                raise ValueError("delta is not supported with fastcov_loss_mode='kl_cov' (KL-Cov has no PPO clip)")
+            if not self.delta > 1.0 + self._clip_high():
+                raise ValueError(f"delta must be > 1 + epsilon_high = {1.0 + self._clip_high()}, got {self.delta}")
+        if not 0.0 < self.top_entropy_quantile <= 1.0:
+            raise ValueError(f"top_entropy_quantile must be in (0, 1], got {self.top_entropy_quantile}")
+        if self.fastcov_scope == "global" and (
+            self.steps_per_generation != self.gradient_accumulation_steps or self.num_iterations != 1
+        ):
+            raise ValueError(
+                "fastcov_scope='global' selects once per rollout batch, which must be one optimizer step: it needs "
+                f"steps_per_generation == gradient_accumulation_steps and num_iterations == 1, got "
+                f"steps_per_generation={self.steps_per_generation}, gradient_accumulation_steps="
+                f"{self.gradient_accumulation_steps}, num_iterations={self.num_iterations}"
+            )
+        self.fastcov_loss_config()  # LossConfig validates the ratios, the band and β, naming them
+
+    def _clip_high(self) -> float:
+        return float(self.epsilon if self.epsilon_high is None else self.epsilon_high)
+
+    def fastcov_loss_config(self) -> LossConfig:
+        """The ``fastcov.LossConfig`` these arguments describe."""
+        return LossConfig(
+            clip_low=float(self.epsilon),
+            clip_high=self._clip_high(),
+            dual_clip_c=None if self.delta is None else float(self.delta),
+            clip_cov_ratio=self.clip_cov_ratio,
+            clip_cov_lb=self.clip_cov_lb,
+            clip_cov_ub=self.clip_cov_ub,
+            kl_cov_ratio=self.kl_cov_ratio,
+            kl_cov_coef=self.kl_cov_coef,
+            high_entropy_fraction=None if self.top_entropy_quantile == 1.0 else float(self.top_entropy_quantile),
+            loss_scale_factor=float(self.max_completion_length) if self.loss_type == "dr_grpo" else None,
+        )
+
+
+def add_fastcov_head(model, temperature: float = 1.0, impl: str = "auto"):
+    """Give ``model``'s forward a ``fastcov_logits_to_keep=K`` keyword (in place; returns ``model``).
+
+    ``model(input_ids=[B, T], attention_mask=[B, T], fastcov_logits_to_keep=K)`` runs the decoder and returns a
+    ``FastcovCausalLMOutput`` whose ``logprob`` / ``entropy`` are [B, K] fp32: log π(input_ids[:, t] | < t) and the
+    entropy at that step, for the last K positions t, 0 where attention_mask is 0 — TRL's
+    ``_get_per_token_logps_and_entropies`` values. Only the last K + 1 hidden states reach the fused kernel, and the
+    logits are never formed. Without the keyword the forward is unchanged (generation, TRL's own fused head).
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT wraps the HF model
+    _decoder_and_head(base)  # refuse non-Linear heads and logit transforms now, not at the first step
+    inner = base.forward
+
+    @functools.wraps(inner)
+    def forward(*args, fastcov_logits_to_keep=None, **kwargs):
+        if fastcov_logits_to_keep is None:
+            return inner(*args, **kwargs)
+        if args:
+            raise TypeError("the fastcov head takes keyword arguments only (input_ids=..., attention_mask=...)")
+        keep = int(fastcov_logits_to_keep)
+        input_ids, attention_mask = kwargs["input_ids"], kwargs["attention_mask"]
+        if not 0 < keep < input_ids.shape[1]:
+            raise ValueError(f"logits_to_keep must be in [1, {input_ids.shape[1] - 1}], got {keep}")
+        decoder, head = _decoder_and_head(base)  # looked up per call: wrappers may replace the modules
+        dropped = ("labels", "return_dict", "output_hidden_states", "output_attentions", "num_items_in_batch")
+        kwargs = {k: v for k, v in kwargs.items() if v is not None and k not in dropped}
+        kwargs["use_cache"] = False
+        hidden = decoder(**kwargs).last_hidden_state[:, -keep - 1:]
+        labels = input_ids[:, -keep - 1:].masked_fill(attention_mask[:, -keep - 1:] == 0, -100)
+        with torch.autocast(hidden.device.type, enabled=False):
+            stats = fused_logprob_entropy(base, hidden.to(head.weight.dtype), labels, temperature=temperature,
+                                          impl=impl)
+        return FastcovCausalLMOutput(logprob=stats.logprob[:, 1:], entropy=stats.entropy[:, 1:])
+
+    base.forward = forward
+    return model
+
+
+class FastcovGRPOTrainer(GRPOTrainer):
+    """``trl.GRPOTrainer`` whose log-probs/entropies come from fastcov's fused kernel and whose loss is
+    ``fastcov.policy_loss`` (``args``: a ``FastcovGRPOConfig``). Same constructor as ``GRPOTrainer``."""
+
+    def __init__(self, model, reward_funcs=None, args=None, *rest, **kwargs):
+        if not isinstance(args, FastcovGRPOConfig):
+            raise TypeError(f"args must be a FastcovGRPOConfig, got {type(args).__name__}")
+        super().__init__(model, reward_funcs, args, *rest, **kwargs)
+        if self.is_deepspeed_enabled:
+            from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+            if is_deepspeed_zero3_enabled():
+                raise ValueError("DeepSpeed ZeRO-3 is not supported by FastcovGRPOTrainer (use ZeRO-1/2 or DDP)")
+        if self.is_fsdp_enabled:
+            raise ValueError("FSDP is not supported by FastcovGRPOTrainer (use DDP or DeepSpeed ZeRO-1/2)")
+        if self.aux_loss_enabled:
+            raise ValueError("router_aux_loss_coef: the MoE load-balancing loss is not supported; set it to 0")
+        self._fastcov_config = self.args.fastcov_loss_config()
+        add_fastcov_head(self.model, self.temperature)
+        if self.ref_model is not None:
+            add_fastcov_head(self.accelerator.unwrap_model(self.ref_model), self.temperature)
+
+    # ------------------------------------------------------------------ hook 1: fused log-probs and entropies
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, **multimodal):
+        """input_ids, attention_mask: [B, P + C]; logits_to_keep = C. Returns (logps [B, C], entropies [B, C] or
+        None, None), fp32, zero where attention_mask is 0, computed in chunks of ``batch_size`` rows."""
+        given = sorted(name for name, value in multimodal.items() if value is not None)
+        if given:
+            raise ValueError(f"FastcovGRPOTrainer supports text-only causal LMs; got multimodal inputs {given}")
+        if compute_aux_loss:
+            raise ValueError("router_aux_loss_coef: the MoE load-balancing loss is not supported; set it to 0")
+        batch_size = batch_size or input_ids.size(0)
+        logps, entropies = [], []
+        for start in range(0, input_ids.size(0), batch_size):
+            rows = slice(start, start + batch_size)
+            with self.accelerator.autocast():
+                out = model(input_ids=input_ids[rows], attention_mask=attention_mask[rows],
+                            fastcov_logits_to_keep=logits_to_keep)
+            logps.append(out.logprob)
+            entropies.append(out.entropy)
+        return torch.cat(logps), torch.cat(entropies) if compute_entropy else None, None
+
+    # ------------------------------------------------------------------ hook 2: the rollout-wide selection
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        if self.args.fastcov_scope == "global":
+            selection = self._fastcov_rollout_selection(output)
+            output[_SELECTION_KEYS[0]] = selection.cov
+            output[_SELECTION_KEYS[1]] = selection.high_entropy
+        return output
+
+    def _fastcov_group(self):
+        if self.accelerator.num_processes > 1:
+            return torch.distributed.group.WORLD
+        return None
+
+    def _fastcov_rollout_selection(self, output) -> Selection:
+        """Selection (bool [B, C] masks) over this rank's rollout batch and, with several processes, all ranks'."""
+        mode = "train" if self.model.training else "eval"
+        completion_ids = output["completion_ids"]
+        mask = _loss_mask(output)
+        logprob = output.get("old_per_token_logps")
+        need_entropy = self._fastcov_config.high_entropy_fraction is not None
+        entropy = None
+        if logprob is None or need_entropy:
+            args = self.args
+            batch_size = args.per_device_train_batch_size if mode == "train" else args.per_device_eval_batch_size
+            with torch.no_grad():
+                logps, entropy, _ = self._get_per_token_logps_and_entropies(
+                    self.model, torch.cat([output["prompt_ids"], completion_ids], dim=1),
+                    torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1), completion_ids.size(1),
+                    batch_size=batch_size, compute_entropy=need_entropy,
+                )
+            logprob = logps if logprob is None else logprob
+        advantages = _per_token(output["advantages"], logprob)
+        return compute_global_selection(
+            logprob, logprob, advantages, mask, mode=self.args.fastcov_loss_mode, config=self._fastcov_config,
+            entropy=entropy, group=self._fastcov_group(),
+        )
+
+    # ------------------------------------------------------------------ hook 3: the loss
+
+    def _compute_loss(self, model, inputs):
+        """fastcov.policy_loss on one micro-batch (+ β·KL to the reference when beta ≠ 0), scaled like TRL's."""
+        prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
+        logps, entropies, _ = self._get_per_token_logps_and_entropies(
+            model, torch.cat([prompt_ids, completion_ids], dim=1),
+            torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1), completion_ids.size(1),
+            compute_entropy=True,
+        )
+        mask = _loss_mask(inputs)
+        old = inputs.get("old_per_token_logps")
+        old = logps.detach() if old is None else old
+        advantages = _per_token(inputs["advantages"], logps)
+
+        mode = "train" if self.model.training else "eval"
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
+        agg = LOSS_TYPE_AGG[self.loss_type]
+        global_tokens = global_seqs = None
+        scale = 1.0 / accumulation
+        if self.loss_type == "dapo":  # TRL's normalizer: the accumulated batch's active tokens per process
+            global_tokens = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+            if mode == "train":
+                global_tokens = global_tokens * accumulation / self.args.steps_per_generation
+            scale = 1.0
+        elif self.loss_type == "bnpo":
+            global_tokens = mask.sum()
+        else:  # grpo, dr_grpo: mean over the micro-batch's rows, empty ones included
+            global_seqs = mask.shape[0]
+        scope = self.args.fastcov_scope
+        selection = None
+        if scope == "global":
+            selection = Selection(inputs.get(_SELECTION_KEYS[0]), inputs.get(_SELECTION_KEYS[1]))
+        loss, metrics = policy_loss(
+            logps, old, advantages, mask, mode=self.args.fastcov_loss_mode, agg=agg, scope=scope,
+            config=self._fastcov_config, entropy=entropies, group=self._fastcov_group() if scope == "global" else None,
+            global_tokens=global_tokens, global_seqs=global_seqs, selection=selection,
+        )
+        if self.beta != 0.0:
+            ref = inputs["ref_per_token_logps"]
+            per_token_kl = torch.exp(ref - logps) - (ref - logps) - 1
+            if self.args.use_bias_correction_kl:
+                per_token_kl = per_token_kl * torch.exp(logps - old)
+            loss = loss + self.beta * aggregate_loss(
+                per_token_kl, mask, agg, global_tokens=global_tokens, global_seqs=global_seqs,
+                loss_scale_factor=self._fastcov_config.loss_scale_factor,
+            )
+            metrics["kl"] = _masked_mean(per_token_kl, mask)
+        self._log_fastcov_metrics(mode, metrics, entropies, mask)
+        return loss * scale
+
+    def _log_fastcov_metrics(self, mode, metrics, entropies, mask) -> None:
+        names = list(metrics)
+        local = torch.stack([metrics[name].detach().float() for name in names])
+        values = self.accelerator.reduce(local, reduction="mean").tolist()
+        for name, value in zip(names, values):
+            self._metrics[mode]["kl" if name == "kl" else f"fastcov/{name}"].append(value)
+        totals = torch.stack([(entropies.detach() * mask).sum(), mask.sum().float()])
+        totals = self.accelerator.reduce(totals, reduction="sum")
+        self._metrics[mode]["entropy"].append((totals[0] / totals[1].clamp(min=1.0)).item())
+
+
+def _loss_mask(inputs) -> torch.Tensor:
+    mask = inputs["completion_mask"]
+    return mask if inputs.get("tool_mask") is None else mask * inputs["tool_mask"]
+
+
+def _per_token(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """TRL's advantages, [B] or [B, C], as [B, C] float like ``like``."""
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(1)
+    return advantages.to(like.dtype).expand_as(like)
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    mask = mask.to(values.dtype)
+    return (values.detach() * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+__all__ = ["FastcovGRPOConfig", "FastcovGRPOTrainer", "add_fastcov_head", "LOSS_TYPE_AGG"]
