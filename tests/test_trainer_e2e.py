@@ -93,7 +93,9 @@ def test_non_finite_loss_skips_the_step(tmp_path, monkeypatch):
 
 
 def test_rollout_error_stops_with_a_clear_message(tmp_path, monkeypatch):
-    real = train_mod.HFRolloutEngine.generate
+    from fastcov.trainer.rollout import HFRolloutEngine
+
+    real = HFRolloutEngine.generate
     calls = {"n": 0}
 
     def flaky(self, prompts, sampling, generator=None):
@@ -102,7 +104,7 @@ def test_rollout_error_stops_with_a_clear_message(tmp_path, monkeypatch):
             raise RuntimeError("CUDA error: out of memory (simulated)")
         return real(self, prompts, sampling, generator)
 
-    monkeypatch.setattr(train_mod.HFRolloutEngine, "generate", flaky)
+    monkeypatch.setattr(HFRolloutEngine, "generate", flaky)
     cfg = tiny(tmp_path, "err", "trainer.max_steps=3", "trainer.save_every=1", "trainer.eval_every=1")
     with pytest.raises(train_mod.RolloutError, match=r"step 2.*out of memory.*step_000001"):
         train_mod.train(cfg)

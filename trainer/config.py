@@ -66,13 +66,22 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: Literal["hf"] = "hf"
+    # hf: the built-in Hugging Face engine; vllm: vLLM (extra `fastcov[vllm]`, see docs/vllm.md).
+    engine: Literal["hf", "vllm"] = "hf"
     n: int = 8  # rollouts per prompt
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 256
     # Sequences generated per forward batch by the HF engine (0 = all at once).
     batch_size: int = 0
+    # Weight sync policy -> rollout engine in buckets of this many MiB (any engine; 0 = per tensor).
+    sync_bucket_mb: float = 64.0
+    # vLLM only. colocated: a vLLM engine inside the training job sharing its GPUs (sleep/wake_up);
+    # server: separate vLLM servers at vllm_server_urls (python -m fastcov.trainer.rollout_vllm serve --model ...).
+    vllm_mode: Literal["colocated", "server"] = "colocated"
+    vllm_tensor_parallel_size: int = 1  # colocated: consecutive training ranks per engine; server: per server
+    vllm_gpu_memory_utilization: float = 0.5  # colocated: fraction of each GPU vLLM may take
+    vllm_server_urls: list[str] = field(default_factory=list)  # e.g. [http://host:8000]
 
 
 @dataclass
@@ -91,7 +100,10 @@ class AlgoConfig:
     loss_agg: Literal[
         "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
     ] = "token-mean"
-    scope: Literal["microbatch"] = "microbatch"
+    # global: Clip-Cov/KL-Cov statistics and selection over the whole mini-batch on all data-parallel
+    # ranks (independent of the micro-batch split and the rank count); microbatch: per micro-batch and
+    # rank, like verl 0.9.1 (for comparison).
+    scope: Literal["global", "microbatch"] = "global"
     clip_low: float = 0.2
     clip_high: float = 0.2  # > clip_low gives DAPO's clip-higher
     dual_clip_c: float | None = None
@@ -133,6 +145,10 @@ class TrainerConfig:
     max_steps: int = 100
     prompts_per_step: int = 16  # global, over all data-parallel ranks
     micro_token_budget: int = 8192  # tokens per micro-batch and rank (prompt + response)
+    # Concatenate several sequences per row (attention confined to each: a block-diagonal causal mask,
+    # or flash-attn's position-id packing) instead of one padded sequence per row. Same log-probs; less
+    # padding (CPU, hidden 256 x 4 layers, mixed lengths: 1.7x the tokens/s of padding; equal when lengths are uniform).
+    packing: bool = True
     zero_stage: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
     eval_every: int = 10  # 0 = never; evaluation also runs at step 0 and at the end
@@ -285,8 +301,23 @@ def validate(cfg: Config) -> Config:
     _check(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
     _check(r.max_new_tokens > 0, "rollout.max_new_tokens", "must be > 0")
     _check(r.batch_size >= 0, "rollout.batch_size", "must be >= 0")
+    _check(0 <= r.sync_bucket_mb < float("inf"), "rollout.sync_bucket_mb",
+           f"must be >= 0 (0 = per tensor), got {r.sync_bucket_mb}")
+    _check(r.vllm_tensor_parallel_size >= 1, "rollout.vllm_tensor_parallel_size",
+           f"must be >= 1, got {r.vllm_tensor_parallel_size}")
+    _check(0 < r.vllm_gpu_memory_utilization <= 1, "rollout.vllm_gpu_memory_utilization",
+           f"must be in (0, 1], got {r.vllm_gpu_memory_utilization}")
+    for i, url in enumerate(r.vllm_server_urls):
+        _check(url.startswith(("http://", "https://")), f"rollout.vllm_server_urls[{i}]",
+               f"must start with http:// or https://, got {url!r}")
+    if r.engine == "vllm" and r.vllm_mode == "server":
+        _check(bool(r.vllm_server_urls), "rollout.vllm_server_urls",
+               "give at least one server URL when rollout.vllm_mode=server")
+    _check(not (r.vllm_server_urls and (r.engine != "vllm" or r.vllm_mode != "server")),
+           "rollout.vllm_server_urls", "only used with rollout.engine=vllm and rollout.vllm_mode=server")
     _check(cfg.reward.timeout_s > 0, "reward.timeout_s", "must be > 0")
-    _check(0 <= a.clip_low < 1, "algo.clip_low", f"must be in [0, 1), got {a.clip_low}")
+    # clip_low = 1 opens the lower clip (ratio >= 0 always), as the paper's Clip-Cov runs do
+    _check(0 <= a.clip_low <= 1, "algo.clip_low", f"must be in [0, 1], got {a.clip_low}")
     _check(a.clip_high >= 0, "algo.clip_high", "must be >= 0")
     _check(a.dual_clip_c is None or a.dual_clip_c > 1, "algo.dual_clip_c", "must be > 1")
     for name in ("clip_cov_ratio", "kl_cov_ratio"):

@@ -149,24 +149,37 @@ class PolicyEngine:
         return applied, norm
 
     # ---------------------------------------------------------------- weights
-    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, full tensor) pairs of the HF model, named as its ``named_parameters()``.
+    def weight_buckets(self, bucket_mb: float = 64.0):
+        """The HF model's parameters then buffers as ``weight_sync.Bucket``s of <= ``bucket_mb`` MiB
+        (a larger tensor alone; ``bucket_mb`` <= 0: one tensor per bucket), named as its
+        ``named_parameters()``/``named_buffers()``; full tensors in the training dtype and device.
 
-        Under ZeRO-3 each tensor is gathered only while the consumer holds it: every rank must iterate
-        to the end, and a consumer copies the tensor before asking for the next one.
+        Under ZeRO-3 each bucket's parameters are gathered together (one ``GatheredParameters`` over
+        them) only while the consumer holds the bucket: every rank must iterate to the end, and a
+        consumer is done with a bucket before asking for the next one.
         """
+        from fastcov.trainer.weight_sync import bucket_bytes_from_mb, iter_buckets
+
         lm = self.policy.lm
+        gather = None
         if self.zero_stage == 3:
             import deepspeed
 
-            for name, p in lm.named_parameters():
-                with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
-                    yield name, p.data
-        else:
-            for name, p in lm.named_parameters():
-                yield name, p.data
-        for name, b in lm.named_buffers():
-            yield name, b
+            def gather(params):
+                return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+
+        named = list(lm.named_parameters()) + list(lm.named_buffers())
+        return iter_buckets(named, bucket_bytes_from_mb(bucket_mb), gather)
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, full tensor) pairs of the HF model, named as its ``named_parameters()``.
+
+        Per tensor (``weight_buckets(0)``): under ZeRO-3 each tensor is gathered only while the consumer
+        holds it: every rank must iterate to the end, and a consumer copies the tensor before asking for
+        the next one.
+        """
+        for bucket in self.weight_buckets(0):
+            yield from bucket
 
     @contextmanager
     def gathered_model(self):

@@ -118,13 +118,20 @@ class PolicyModel(nn.Module):
             register_external_parameter(self, head.bias)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor,
-                temperature: float = 1.0, entropy: bool = True, vocab_cov: bool = False):
-        """input_ids, attention_mask, labels: int64 [B, T] (right padding; labels[t] is the token that
-        follows position t, ``-100`` where no loss is taken). Returns fastcov's LogprobEntropy with
-        fp32 ``logprob``/``entropy`` of shape [B, T] (0 at ignored positions)."""
+                temperature: float = 1.0, entropy: bool = True, vocab_cov: bool = False,
+                position_ids: torch.Tensor | None = None):
+        """input_ids, attention_mask, labels: int64 [B, T] (labels[t] is the token that follows position t,
+        ``-100`` where no loss is taken). Without ``position_ids``: one right-padded sequence per row.
+        With ``position_ids`` (int64 [B, T]): packed rows, several sequences per row whose positions
+        restart at 0 at each sequence start (and at the trailing padding); attention stays inside each
+        sequence (``packed_attention``). Returns fastcov's LogprobEntropy with fp32 ``logprob``/``entropy``
+        of shape [B, T] (0 at ignored positions)."""
         from fastcov import linear_logprob_entropy
 
-        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+        if position_ids is None:
+            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+        else:
+            attention_mask = packed_attention(position_ids, self.lm.config._attn_implementation, self.lm.dtype)
         hidden = decoder_of(self.lm)(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).last_hidden_state
@@ -135,3 +142,29 @@ class PolicyModel(nn.Module):
             hidden = hidden.to(weight.dtype)
         return linear_logprob_entropy(hidden, weight, labels, bias=bias, temperature=temperature,
                                       entropy=entropy, vocab_cov=vocab_cov)
+
+
+def packed_attention(position_ids: torch.Tensor, attn_implementation: str, dtype: torch.dtype):
+    """The attention mask of packed rows for the HF decoder, from ``position_ids`` int64 [B, L].
+
+    A segment starts wherever the position is 0. flash_attention_2 takes the packing from the
+    position ids themselves (it needs B == 1) and gets None; sdpa gets a block-diagonal causal bool
+    mask [B, 1, L, L] (True = may attend); eager the same as an additive mask of ``dtype``
+    (0 / dtype's minimum).
+    """
+    if attn_implementation.startswith("flash_attention"):
+        if position_ids.shape[0] != 1:
+            raise ValueError(f"packing with {attn_implementation} needs one row per micro-batch, "
+                             f"got {position_ids.shape[0]} (micro_batches(..., row_capacity=budget))")
+        return None
+    segment = (position_ids == 0).long().cumsum(-1)  # [B, L]
+    L = position_ids.shape[-1]
+    causal = torch.ones((L, L), dtype=torch.bool, device=position_ids.device).tril()
+    allowed = (segment[:, :, None] == segment[:, None, :]) & causal  # [B, L(query), L(key)]
+    allowed = allowed[:, None]
+    if attn_implementation == "sdpa":
+        return allowed
+    if attn_implementation == "eager":
+        zero = torch.zeros((), dtype=dtype, device=position_ids.device)
+        return torch.where(allowed, zero, torch.finfo(dtype).min)
+    raise ValueError(f"model.attn_implementation: packing does not support {attn_implementation!r}")

@@ -2,22 +2,28 @@
 
     engine.generate(prompts, SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=256), generator)
         -> RolloutBatch(token_ids=[[...], ...], logprobs=[[...], ...])
-    engine.update_weights(iter_of_(name, tensor))
+    engine.update_weights(iter_of_(name, tensor) or iter_of_Bucket)
+    engine = make_rollout_engine(cfg, lm, tokenizer, device=device, rank=rank, world=world)
 
-A weight update is any iterable of ``(name, tensor)`` pairs named like the Hugging Face model's
-``named_parameters()``; a producer may gather each tensor just before yielding it and release it just
-after (ZeRO-3), so an engine copies every tensor before asking for the next. Bucketed transfers (the vLLM
-engine, a later module) fit the same signature.
+A weight update is an iterable of ``weight_sync.Bucket``s (``PolicyEngine.weight_buckets``: a bounded
+group of gathered tensors at a time) or of plain ``(name, tensor)`` pairs, named like the Hugging Face
+model's ``named_parameters()``/``named_buffers()``. A producer may gather a bucket (or a tensor) just
+before yielding it and release it just after (ZeRO-3), so an engine consumes each item before asking
+for the next. ``rollout.engine: vllm`` lives in ``rollout_vllm`` (imported only when asked for); the
+helpers here (request slicing, eos truncation) are shared by both engines.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable
+import copy
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from fastcov.trainer.weight_sync import iter_named
 
 
 @dataclass
@@ -44,11 +50,54 @@ class RolloutEngine(abc.ABC):
         """One response per prompt (repeat a prompt n times for n rollouts)."""
 
     @abc.abstractmethod
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load new policy weights."""
+    def update_weights(self, named_tensors: Iterable) -> None:
+        """Load new policy weights: an iterable of ``Bucket``s or of ``(name, tensor)`` pairs."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         pass
+
+
+def batch_slices(n: int, size: int) -> list[slice]:
+    """Consecutive slices of at most ``size`` items covering ``range(n)`` (``size`` <= 0: one slice)."""
+    if n <= 0:
+        return []
+    size = size if size > 0 else n
+    return [slice(a, min(a + size, n)) for a in range(0, n, size)]
+
+
+def split_evenly(n: int, parts: int) -> list[slice]:
+    """``parts`` consecutive slices covering ``range(n)`` whose lengths differ by at most one (the first
+    ``n % parts`` get one more; some are empty when ``n < parts``)."""
+    if parts < 1:
+        raise ValueError(f"split_evenly: parts must be >= 1, got {parts}")
+    q, r = divmod(n, parts)
+    out, a = [], 0
+    for i in range(parts):
+        b = a + q + (1 if i < r else 0)
+        out.append(slice(a, b))
+        a = b
+    return out
+
+
+def finish_rollouts(token_ids: Sequence[Sequence[int]], logprobs: Sequence[Sequence[float]],
+                    eos_token_ids: Iterable[int]) -> RolloutBatch:
+    """Per response: keep the tokens up to and including the first eos (all of them if none) and their
+    log-probs, as Python ints / floats. ``token_ids[i]`` and ``logprobs[i]`` must have equal lengths."""
+    if len(token_ids) != len(logprobs):
+        raise ValueError(f"finish_rollouts: {len(token_ids)} token rows but {len(logprobs)} log-prob rows")
+    eos = {int(t) for t in eos_token_ids}
+    ids_out, lp_out = [], []
+    for i, (row, lrow) in enumerate(zip(token_ids, logprobs)):
+        if len(row) != len(lrow):
+            raise ValueError(f"finish_rollouts: response {i} has {len(row)} tokens but {len(lrow)} log-probs")
+        n = len(row)
+        for j, t in enumerate(row):
+            if int(t) in eos:
+                n = j + 1
+                break
+        ids_out.append([int(t) for t in row[:n]])
+        lp_out.append([float(x) for x in lrow[:n]])
+    return RolloutBatch(ids_out, lp_out)
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_p: float,
@@ -90,10 +139,11 @@ class HFRolloutEngine(RolloutEngine):
         return next(self.model.parameters()).device
 
     @torch.no_grad()
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def update_weights(self, named_tensors: Iterable) -> None:
+        """Copy each tensor into the model's parameter/buffer of the same name (Buckets or pairs)."""
         own = dict(self.model.named_parameters())
         own.update(dict(self.model.named_buffers()))
-        for name, tensor in named_tensors:
+        for name, tensor in iter_named(named_tensors):
             if name not in own:
                 raise KeyError(f"update_weights: the rollout model has no tensor named {name!r}")
             dst = own[name]
@@ -107,13 +157,12 @@ class HFRolloutEngine(RolloutEngine):
                  generator: torch.Generator | None = None) -> RolloutBatch:
         if not prompts:
             return RolloutBatch([], [])
-        bs = self.batch_size or len(prompts)
         out_ids: list[list[int]] = []
         out_lp: list[list[float]] = []
-        for start in range(0, len(prompts), bs):
-            ids, lps = self._generate_batch(prompts[start : start + bs], sampling, generator)
-            out_ids += ids
-            out_lp += lps
+        for sl in batch_slices(len(prompts), self.batch_size):
+            part = self._generate_batch(prompts[sl], sampling, generator)
+            out_ids += part.token_ids
+            out_lp += part.logprobs
         return RolloutBatch(out_ids, out_lp)
 
     def _generate_batch(self, prompts, sampling: SamplingParams, generator):
@@ -149,14 +198,28 @@ class HFRolloutEngine(RolloutEngine):
             mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=dev)], dim=1)
         toks = torch.stack(tokens, 1).tolist()
         lps = torch.stack(logps, 1).tolist()
-        eos_set = set(self.eos.tolist())
-        ids_out, lp_out = [], []
-        for row, lrow in zip(toks, lps):
-            n = len(row)
-            for j, t in enumerate(row):
-                if t in eos_set:
-                    n = j + 1
-                    break
-            ids_out.append(row[:n])
-            lp_out.append(lrow[:n])
-        return ids_out, lp_out
+        return finish_rollouts(toks, lps, self.eos.tolist())
+
+
+def make_rollout_engine(cfg, model: nn.Module, tokenizer, *, device: torch.device | None = None,
+                        rank: int = 0, world: int = 1) -> RolloutEngine:
+    """The rollout engine ``cfg.rollout.engine`` names.
+
+    ``model``: the policy's Hugging Face causal LM as built, before DeepSpeed wraps it (not modified):
+    the HF engine samples from a deep copy of it (bf16 on a GPU unless ``model.dtype: fp32``, else fp32);
+    the vLLM engines take its config (the weights arrive with the first ``update_weights``).
+    ``tokenizer``: its eos/pad ids. ``rank``/``world``: this process in the data-parallel training group.
+    """
+    r = cfg.rollout
+    device = device if device is not None else torch.device("cpu")
+    eos_ids = [tokenizer.eos_token_id]
+    if r.engine == "hf":
+        use_bf16 = device.type == "cuda" and cfg.model.dtype != "fp32"
+        lm = copy.deepcopy(model).to(device=device, dtype=torch.bfloat16 if use_bf16 else torch.float32)
+        lm.config.use_cache = True
+        return HFRolloutEngine(lm, eos_ids, tokenizer.pad_token_id, r.batch_size)
+    if r.engine == "vllm":
+        from fastcov.trainer.rollout_vllm import make_vllm_engine
+
+        return make_vllm_engine(cfg, model, tokenizer, device=device, rank=rank, world=world)
+    raise ValueError(f"rollout.engine: unknown engine {r.engine!r} (expected 'hf' or 'vllm')")

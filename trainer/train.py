@@ -4,6 +4,11 @@
     -> ppo_epochs x mini-batches x token-budget micro-batches of fastcov.policy_loss -> weight sync
     -> metrics, evaluation, checkpoints
 
+Steps 4 and 5 are functions (``compute_old_logprobs``, ``update_policy``) that tests call with fixed
+rollouts. In ``algo.scope: global`` (the default) Clip-Cov/KL-Cov select tokens once per mini-batch over
+all ranks (``mini_batch_selection``), so the update does not depend on the micro-batch split or the
+number of ranks. Micro-batches are padded or, with ``trainer.packing``, packed (trainer/batch.py).
+
 ``train(cfg)`` runs in every data-parallel process (one on CPU without a launcher). Every tensor that
 reaches the loss comes from ``fastcov.linear_logprob_entropy`` on the last hidden states: full logits
 are never built.
@@ -11,22 +16,22 @@ are never built.
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import random
 import signal
 import time
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from fastcov.advantages import dapo_filter, get_advantage
-from fastcov.losses import LossConfig, policy_loss
+from fastcov.losses import LossConfig, Selection, compute_global_selection, get_policy_loss, policy_loss
 from fastcov.schedules import PositiveWeightSchedule
-from fastcov.trainer.batch import Sequence, micro_batches
+from fastcov.trainer.batch import MicroBatch, Sequence, micro_batches, sequence_tensors
 from fastcov.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from fastcov.trainer.config import Config, save_config
 from fastcov.trainer.data import PromptSampler, load_train_val, prepare_data
@@ -34,7 +39,7 @@ from fastcov.trainer.engine import PolicyEngine, init_distributed, lr_at, pick_d
 from fastcov.trainer.metrics import MetricsLogger
 from fastcov.trainer.model import PolicyModel, build_model, load_tokenizer
 from fastcov.trainer.rewards import RewardFn
-from fastcov.trainer.rollout import HFRolloutEngine, SamplingParams
+from fastcov.trainer.rollout import SamplingParams, make_rollout_engine
 
 # policy_loss metrics averaged over the update's tokens; its "entropy" is logged as "update_entropy"
 # ("entropy" is the rollout-token mean of the pre-update policy).
@@ -80,6 +85,178 @@ def all_gather_floats(values: list[float], device: torch.device) -> list[float]:
     out = [torch.empty_like(t) for _ in range(world)]
     _dist().all_gather(out, t)
     return torch.cat(out).tolist()
+
+
+def all_max(value: int, device: torch.device) -> int:
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    if world_size() > 1:
+        _dist().all_reduce(t, op=_dist().ReduceOp.MAX)
+    return int(t.item())
+
+
+# ---------------------------------------------------------------------------------------- steps 4 and 5
+
+def batching(cfg: Config, engine) -> dict:
+    """``micro_batches`` options of the run: token budget and packing (flash-attn packs one row per
+    micro-batch, taking the sequence boundaries from the position ids)."""
+    t = cfg.trainer
+    flash = engine.policy.lm.config._attn_implementation.startswith("flash_attention")
+    return {"budget": t.micro_token_budget, "packing": t.packing,
+            "row_capacity": t.micro_token_budget if (t.packing and flash) else None}
+
+
+def forward(engine, mb: MicroBatch, temperature: float, vocab_cov: bool = False):
+    """The policy's per-token log-probs and entropies ([rows, L]) on one micro-batch, any layout."""
+    return engine(**mb.model_inputs(), temperature=temperature, entropy=True, vocab_cov=vocab_cov)
+
+
+def compute_old_logprobs(engine, seqs: list[Sequence], cfg: Config, pad_id: int, device: torch.device,
+                         keep_entropy: bool = False, keep_vocab_cov: bool = False) -> tuple[float, float, float]:
+    """Step 4: fill ``old_logprob`` of every sequence (and ``old_entropy`` / ``old_vocab_cov`` when asked)
+    with a no-grad pass over token-budget micro-batches. Returns (entropy sum, response tokens,
+    Σ |old − sampling log-prob|) over this rank's sequences. Every rank must call it."""
+    engine.eval()
+    ent_sum = tok_sum = lp_diff = 0.0
+    with torch.no_grad():
+        for mb in micro_batches(seqs, pad_id=pad_id, device=device, **batching(cfg, engine)):
+            res = forward(engine, mb, cfg.rollout.temperature, vocab_cov=keep_vocab_cov)
+            if mb.weight == 0:
+                continue
+            for si, (row, start, n) in zip(mb.seq_index, mb.spans):
+                s = seqs[si]
+                lp = res.logprob[row, start : start + n].float()
+                ent = res.entropy[row, start : start + n].float()
+                s.old_logprob = lp.tolist()
+                if keep_entropy:
+                    s.old_entropy = ent.tolist()
+                if keep_vocab_cov:
+                    s.old_vocab_cov = res.vocab_cov[row, start : start + n].float().tolist()
+                ent_sum += float(ent.sum())
+                lp_diff += float((lp - torch.tensor(s.sample_logprob, device=lp.device)).abs().sum())
+                tok_sum += n
+    return ent_sum, tok_sum, lp_diff
+
+
+def mini_batch_selection(engine, mini: list[Sequence], mbs: list[MicroBatch], cfg: Config, loss_cfg: LossConfig,
+                         device: torch.device, generator: torch.Generator, group, reuse_old: bool) -> Selection:
+    """Global scope: the Clip-Cov/KL-Cov (and high-entropy) selection of one mini-batch over all ranks, once.
+
+    Works in the per-sequence layout [S, T]: row s is ``mini[s]``, column t its t-th response token, T
+    the longest response of the mini-batch on any rank. Ranks hold consecutive blocks of the mini-batch's
+    sequences (rank order = global order), so the flat position of a token in the concatenation over
+    ranks, which Clip-Cov's random keys and all tie-breaks use, is (global sequence index) × T + t: it
+    does not depend on the number of ranks or on the micro-batch split. The current log-probs are
+    ``old_logprob`` when ``reuse_old`` (the policy has not moved since step 4), else a no-grad forward
+    over ``mbs``. Every rank must call it. Returns bool [S, T] masks (``MicroBatch.from_sequences``
+    turns them into a micro-batch's).
+    """
+    T = max(1, all_max(max((len(s.response) for s in mini), default=0), device))
+    per_seq = sequence_tensors(mini, T, device)
+    need_entropy = loss_cfg.high_entropy_fraction is not None
+    need_kappa = loss_cfg.cov_score == "vocab"
+    stored = {"logprob": "old_logprob", "entropy": "old_entropy", "vocab_cov": "old_vocab_cov"}
+    wanted = ["logprob"] + ["entropy"] * need_entropy + ["vocab_cov"] * need_kappa
+    # whether to forward must agree over ranks (ZeRO-3 forwards are collective)
+    missing = 0.0 if all(stored[k] in per_seq for k in wanted) else 1.0
+    if reuse_old and all_sum([missing], device)[0] == 0:
+        current = {k: per_seq[stored[k]] for k in wanted}
+    else:
+        current = {k: torch.zeros((len(mini), T), device=device) for k in wanted}
+        with torch.no_grad():
+            for mb in mbs:
+                res = forward(engine, mb, cfg.rollout.temperature, vocab_cov=need_kappa)
+                if mb.weight > 0:
+                    for k in wanted:
+                        mb.to_sequences(getattr(res, k), current[k])
+    return compute_global_selection(
+        current["logprob"], per_seq["old_logprob"], per_seq["advantages"], per_seq["mask"],
+        mode=cfg.algo.mode, config=loss_cfg, entropy=current.get("entropy"), vocab_cov=current.get("vocab_cov"),
+        group=group, generator=generator,
+    )
+
+
+@dataclass
+class UpdateStats:
+    """What step 5 reports: loss and ``LOSS_METRICS`` sums (weighted by micro-batch tokens) on this rank,
+    optimizer steps applied / skipped (agreed over ranks), gradient norms, mini-batches per epoch."""
+
+    loss_sum: float = 0.0
+    metric_sums: dict[str, float] = field(default_factory=dict)
+    metric_tokens: int = 0
+    applied_steps: int = 0
+    skipped_steps: int = 0
+    grad_norms: list[float] = field(default_factory=list)
+    n_mini: int = 1
+
+
+def update_policy(engine, seqs: list[Sequence], kept_groups: list[int], cfg: Config, loss_cfg: LossConfig,
+                  lr: float, pad_id: int, device: torch.device, generator: torch.Generator) -> UpdateStats:
+    """Step 5: ppo_epochs × mini-batches × token-budget micro-batches of ``policy_loss``, one optimizer step
+    per mini-batch.
+
+    ``seqs``: this rank's kept sequences, ``old_logprob`` set (step 4), ranks holding consecutive
+    prompt groups in rank order; ``kept_groups``: the global indices of the kept groups (the same list
+    on every rank). Mini-batches split the kept groups (global order), so every rank steps together.
+    In ``algo.scope: global`` each mini-batch's selection is computed once (``mini_batch_selection``)
+    and each micro-batch gets its slice. Every rank must call it.
+    """
+    missing = [i for i, s in enumerate(seqs) if s.old_logprob is None]
+    if missing:
+        raise ValueError(f"update_policy: sequences {missing[:5]} have no old_logprob (run compute_old_logprobs)")
+    a, world = cfg.algo, world_size()
+    group = _dist().group.WORLD if world > 1 else None
+    global_scope = a.scope == "global"
+    needs_selection = get_policy_loss(a.mode).selector is not None or loss_cfg.high_entropy_fraction is not None
+    engine.train()
+    n_mini = min(a.mini_batches, max(1, len(kept_groups)))
+    group_chunks = [kept_groups[j::n_mini] for j in range(n_mini)] if kept_groups else [[]]
+    stats = UpdateStats(n_mini=n_mini)
+    for epoch in range(a.ppo_epochs):
+        for m, chunk in enumerate(group_chunks):
+            cset = set(chunk)
+            mini = [s for s in seqs if s.group in cset]
+            local_tok = sum(len(s.response) for s in mini)
+            g_tok, g_seq = all_sum([local_tok, len(mini)], device)
+            mbs = micro_batches(mini, pad_id=pad_id, device=device, **batching(cfg, engine))
+            selection = None
+            if global_scope and needs_selection:
+                selection = mini_batch_selection(engine, mini, mbs, cfg, loss_cfg, device, generator, group,
+                                                 reuse_old=epoch == 0 and m == 0)
+            poisoned = False
+            for j, mb in enumerate(mbs):
+                res = forward(engine, mb, cfg.rollout.temperature, vocab_cov=a.cov_score == "vocab")
+                mb_selection = None
+                if selection is not None:
+                    mb_selection = Selection(*(None if x is None else mb.from_sequences(x)
+                                               for x in (selection.cov, selection.high_entropy)))
+                loss, metrics = policy_loss(
+                    res.logprob, mb.old_logprob, mb.advantages, mb.mask,
+                    mode=a.mode, agg=a.loss_agg, scope=a.scope, config=loss_cfg,
+                    entropy=res.entropy, vocab_cov=res.vocab_cov, group=group,
+                    global_tokens=g_tok, global_seqs=g_seq, generator=generator, selection=mb_selection,
+                )
+                # Divided by the mini-batch totals over all ranks, the micro-batch losses sum to the
+                # mini-batch loss; DeepSpeed averages gradients over ranks, hence the world factor.
+                scaled = loss * (world * mb.weight)
+                finite = all_sum([0.0 if bool(torch.isfinite(loss)) else 1.0], device)[0] == 0
+                if not finite:
+                    poisoned = True
+                engine.backward(scaled, boundary=j == len(mbs) - 1)
+                if mb.weight > 0 and bool(torch.isfinite(loss)):
+                    stats.loss_sum += float(loss.detach())
+                    for k in LOSS_METRICS:
+                        v = float(metrics.get(k, 0.0))
+                        if math.isfinite(v):
+                            stats.metric_sums[k] = stats.metric_sums.get(k, 0.0) + v * mb.n_tokens
+                    stats.metric_tokens += mb.n_tokens
+            applied, norm = engine.step(lr, poisoned)
+            if applied:
+                stats.applied_steps += 1
+                if norm is not None:
+                    stats.grad_norms.append(norm)
+            else:
+                stats.skipped_steps += 1
+    return stats
 
 
 def eval_sampling(data_source: str, tcfg, max_new_tokens: int) -> tuple[SamplingParams, bool]:
@@ -180,13 +357,10 @@ def train(cfg: Config, resume: bool | str = False, stop_at: int | None = None, o
     dist.barrier()
     train_set, val_set, data_stats = load_train_val(cfg, tokenizer, train_files, val_files)
 
-    use_bf16 = device.type == "cuda" and cfg.model.dtype != "fp32"
     lm = build_model(cfg.model, device, torch.float32, tokenizer)
-    rollout_lm = copy.deepcopy(lm).to(torch.bfloat16 if use_bf16 else torch.float32)
-    rollout_lm.config.use_cache = True
+    # before DeepSpeed wraps (and under ZeRO-3 shards) the policy: the HF engine copies it
+    rollout = make_rollout_engine(cfg, lm, tokenizer, device=device, rank=rank, world=world)
     engine = PolicyEngine(PolicyModel(lm), cfg, device, world)
-    eos_ids = [tokenizer.eos_token_id]
-    rollout = HFRolloutEngine(rollout_lm, eos_ids, tokenizer.pad_token_id, r.batch_size)
     reward_fn = RewardFn(cfg.reward.kind, cfg.reward.timeout_s, cfg.reward.sandbox)
     pad_id = tokenizer.pad_token_id
 
@@ -221,7 +395,7 @@ def train(cfg: Config, resume: bool | str = False, stop_at: int | None = None, o
               f"mode {a.mode}", flush=True)
 
     def sync_weights() -> None:
-        rollout.update_weights(engine.named_weights())
+        rollout.update_weights(engine.weight_buckets(r.sync_bucket_mb))
 
     def trainer_state() -> dict:
         return {"step": step, "sampler": sampler.state_dict(), "counters": counters,
@@ -294,28 +468,14 @@ def train(cfg: Config, resume: bool | str = False, stop_at: int | None = None, o
 
             # ---------------------------------------------------------- 4. old log-probs, entropy
             t0 = time.perf_counter()
-            engine.eval()
-            ent_sum = tok_sum = lp_diff = 0.0
-            all_seqs = seqs
-            with torch.no_grad():
-                for mb in micro_batches(all_seqs, t.micro_token_budget, pad_id, device):
-                    res = engine(mb.input_ids, mb.attention_mask, mb.labels, temperature=r.temperature,
-                                 entropy=True)
-                    if mb.weight == 0:
-                        continue
-                    for row, si in enumerate(mb.seq_index):
-                        s = all_seqs[si]
-                        p = len(s.prompt)
-                        lp = res.logprob[row, p - 1 : len(s) - 1].float()
-                        s.old_logprob = lp.tolist()
-                        ent_sum += float(res.entropy[row, p - 1 : len(s) - 1].sum())
-                        lp_diff += float((lp - torch.tensor(s.sample_logprob, device=lp.device)).abs().sum())
-                        tok_sum += len(s.response)
+            global_scope = a.scope == "global"  # its first mini-batch's selection reuses these
+            ent_sum, tok_sum, lp_diff = compute_old_logprobs(
+                engine, seqs, cfg, pad_id, device, keep_entropy=global_scope and a.high_entropy_fraction is not None,
+                keep_vocab_cov=global_scope and a.cov_score == "vocab")
             times["old_logprob"] = time.perf_counter() - t0
 
             # ---------------------------------------------------------- 5. policy update
             t0 = time.perf_counter()
-            engine.train()
             lam = lam_sched.value if lam_sched is not None else a.pos_adv_weight
             loss_cfg = LossConfig(
                 clip_low=a.clip_low, clip_high=a.clip_high, dual_clip_c=a.dual_clip_c,
@@ -325,57 +485,14 @@ def train(cfg: Config, resume: bool | str = False, stop_at: int | None = None, o
                 high_entropy_fraction=a.high_entropy_fraction, cov_score=a.cov_score,
                 check_finite=False,  # a non-finite loss skips the step below instead of raising
             )
-            # Mini-batches split the kept prompt groups (global order), so every rank steps together.
             kept_groups = [g for g in range(t.prompts_per_step) if keep[g]]
-            n_mini = min(a.mini_batches, max(1, len(kept_groups)))
-            group_chunks = [kept_groups[j::n_mini] for j in range(n_mini)] if kept_groups else [[]]
-            msum: dict[str, float] = {}
-            mcount = 0
-            loss_sum = 0.0
-            applied_steps = 0
-            grad_norms = []
             lr = lr_at(engine.steps, cfg.optim, t.max_steps * a.ppo_epochs * a.mini_batches)
-            for _epoch in range(a.ppo_epochs):
-                for chunk in group_chunks:
-                    cset = set(chunk)
-                    mini = [s for s in seqs if s.group in cset]
-                    local_tok = sum(len(s.response) for s in mini)
-                    g_tok, g_seq = all_sum([local_tok, len(mini)], device)
-                    mbs = micro_batches(mini, t.micro_token_budget, pad_id, device)
-                    poisoned = False
-                    for j, mb in enumerate(mbs):
-                        res = engine(mb.input_ids, mb.attention_mask, mb.labels, temperature=r.temperature,
-                                     entropy=True, vocab_cov=a.cov_score == "vocab")
-                        loss, metrics = policy_loss(
-                            res.logprob, mb.old_logprob, mb.advantages, mb.mask,
-                            mode=a.mode, agg=a.loss_agg, scope=a.scope, config=loss_cfg,
-                            entropy=res.entropy, vocab_cov=res.vocab_cov,
-                            global_tokens=g_tok, global_seqs=g_seq, generator=gens["select"],
-                        )
-                        # Divided by the mini-batch totals over all ranks, the micro-batch losses sum to the
-                        # mini-batch loss; DeepSpeed averages gradients over ranks, hence the world factor.
-                        scaled = loss * (world * mb.weight)
-                        finite = all_sum([0.0 if bool(torch.isfinite(loss)) else 1.0], device)[0] == 0
-                        if not finite:
-                            poisoned = True
-                        engine.backward(scaled, boundary=j == len(mbs) - 1)
-                        if mb.weight > 0 and bool(torch.isfinite(loss)):
-                            loss_sum += float(loss.detach())
-                            for k in LOSS_METRICS:
-                                v = float(metrics.get(k, 0.0))
-                                if math.isfinite(v):
-                                    msum[k] = msum.get(k, 0.0) + v * mb.n_tokens
-                            mcount += mb.n_tokens
-                    applied, norm = engine.step(lr, poisoned)
-                    if applied:
-                        applied_steps += 1
-                        if norm is not None:
-                            grad_norms.append(norm)
-                    else:
-                        counters["skipped_steps"] += 1
-                        if rank == 0:
-                            warnings.warn(f"step {step}: non-finite loss or gradient; optimizer step skipped "
-                                          f"({counters['skipped_steps']} so far)", stacklevel=1)
+            upd = update_policy(engine, seqs, kept_groups, cfg, loss_cfg, lr, pad_id, device, gens["select"])
+            if upd.skipped_steps:
+                counters["skipped_steps"] += upd.skipped_steps
+                if rank == 0:
+                    warnings.warn(f"step {step}: non-finite loss or gradient; {upd.skipped_steps} optimizer "
+                                  f"step(s) skipped ({counters['skipped_steps']} so far)", stacklevel=1)
             times["update"] = time.perf_counter() - t0
 
             # ---------------------------------------------------------- 6. weight sync
@@ -387,10 +504,10 @@ def train(cfg: Config, resume: bool | str = False, stop_at: int | None = None, o
             resp_lens = [len(x) for x in out.token_ids]
             n_prompt_tok = sum(len(p) for p in prompts)
             tot = all_sum([sum(local_rewards), len(local_rewards), sum(resp_lens), ent_sum, tok_sum, lp_diff,
-                           n_prompt_tok, float(mcount), loss_sum], device)
+                           n_prompt_tok, float(upd.metric_tokens), upd.loss_sum], device)
             (r_sum, r_n, len_sum, e_sum, tk_sum, d_sum, p_sum, m_n, l_sum) = tot
             keys = list(LOSS_METRICS)
-            mvals = all_sum([msum.get(k, 0.0) for k in keys], device)
+            mvals = all_sum([upd.metric_sums.get(k, 0.0) for k in keys], device)
             rec.update({
                 "reward_mean": r_sum / max(r_n, 1),
                 "acc_mean": (r_sum / max(r_n, 1)) if cfg.reward.kind == "binary"
@@ -398,11 +515,11 @@ def train(cfg: Config, resume: bool | str = False, stop_at: int | None = None, o
                 "entropy": e_sum / max(tk_sum, 1),
                 "response_len": len_sum / max(r_n, 1),
                 "rollout_logprob_diff": d_sum / max(tk_sum, 1),
-                "loss": l_sum / max(a.ppo_epochs * n_mini, 1),
+                "loss": l_sum / max(a.ppo_epochs * upd.n_mini, 1),
                 "lr": lr,
                 "lambda": lam,
-                "grad_norm": float(np.mean(grad_norms)) if grad_norms else None,
-                "applied_steps": applied_steps,
+                "grad_norm": float(np.mean(upd.grad_norms)) if upd.grad_norms else None,
+                "applied_steps": upd.applied_steps,
                 **{LOSS_METRIC_NAMES.get(k, k): v / max(m_n, 1) for k, v in zip(keys, mvals)},
                 **counters,
             })

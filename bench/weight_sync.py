@@ -1,0 +1,215 @@
+"""Weight-sync benchmark on CPU: policy (DeepSpeed ZeRO-0 / ZeRO-3) -> HF rollout engine, bucketed.
+
+    python -m bench.weight_sync                                  # demo + qwen2-100m, ~5 min on 2 cores
+    python -m bench.weight_sync --models demo --buckets 0 1 16 --procs 1
+
+Per case (model x ZeRO stage x processes) one fresh job (``torch.multiprocessing.spawn``, gloo, one
+intra-op thread per process) builds the policy engine and the HF rollout engine as the trainer does, then
+for each bucket size (MiB; 0 = per parameter) records, on rank 0:
+
+* ``sync_ms``: ``rollout.update_weights(engine.weight_buckets(mb))``, median of ``--repeats`` after one
+  warm-up (ZeRO-3: gather each bucket's shards, copy into the rollout model, release);
+* ``pack_ms``: the same bucket stream packed into one reused flat uint8 buffer (the extra work of vLLM
+  server mode before each NCCL broadcast; the broadcast itself is not measured here);
+* ``peak_sync_mib`` / ``peak_pack_mib``: peak RSS increment of one more sync / pack (bench._measure.PeakMemory)
+  with ``malloc_trim`` after each bucket, so RSS tracks live tensors: without it glibc keeps the freed
+  ZeRO-3 gather buffers of a 100M model (~130 MiB over a sync) that a trim returns;
+* ``buckets``: buckets per sync; ``exact``: the rollout weights equal the gathered policy weights.
+
+Results: <out>/weight-sync-cpu-<date>.json and .md. See docs/weight_sync.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import socket
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+MODELS = {
+    # trainer/demo.py's tiny Qwen2 (vocabulary: the builtin arithmetic tokenizer's)
+    "demo": dict(model_type="qwen2", hidden_size=96, intermediate_size=256, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                 tie_word_embeddings=False, rope_theta=10000.0),
+    # a Qwen2-shaped ~100M-parameter model (fp32 on CPU: ~400 MB)
+    "qwen2-100m": dict(model_type="qwen2", hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                       num_attention_heads=12, num_key_value_heads=4, vocab_size=16000,
+                       max_position_embeddings=512, tie_word_embeddings=False),
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _config(arch: dict, zero: int, run_dir: str):
+    from fastcov.trainer.config import config_from_dict
+
+    return config_from_dict({
+        "model": {"arch": dict(arch), "tokenizer": "builtin:arith"},
+        "data": {"synthetic": {"enabled": True}},
+        "trainer": {"zero_stage": zero, "device": "cpu", "run_dir": run_dir, "prompts_per_step": 16},
+    })
+
+
+def _worker(rank: int, world: int, port: int, spec: dict, out: str) -> None:
+    os.environ.update({"DS_ACCELERATOR": "cpu", "RANK": str(rank), "LOCAL_RANK": str(rank),
+                       "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                       "OMP_NUM_THREADS": "1"})
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    from bench._measure import PeakMemory, malloc_trim
+    from fastcov.trainer.engine import PolicyEngine, init_distributed
+    from fastcov.trainer.model import PolicyModel, build_model, load_tokenizer
+    from fastcov.trainer.rollout import make_rollout_engine
+
+    cpu = torch.device("cpu")
+    cfg = _config(MODELS[spec["model"]], spec["zero"], spec["run_dir"])
+    init_distributed(cpu)
+    torch.manual_seed(0)
+    tok = load_tokenizer(cfg.model)
+    lm = build_model(cfg.model, cpu, torch.float32, tok)
+    rollout = make_rollout_engine(cfg, lm, tok, device=cpu, rank=rank, world=world)
+    engine = PolicyEngine(PolicyModel(lm), cfg, cpu, world)
+    params = list(engine.policy.lm.parameters())
+    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in params)
+    rows = []
+    trim = [False]
+
+    def stream(mb):
+        for b in engine.weight_buckets(mb):
+            yield b
+            if trim[0]:
+                malloc_trim()
+
+    for mb in spec["buckets"]:
+        counted = []
+
+        def sync():
+            counted.clear()
+
+            def count(bs):
+                for b in bs:
+                    counted.append(b.nbytes)
+                    yield b
+
+            rollout.update_weights(count(stream(mb)))
+
+        buf = [torch.empty(0, dtype=torch.uint8)]
+
+        def pack():
+            for b in stream(mb):
+                if buf[0].numel() < b.nbytes:
+                    buf[0] = torch.empty(0, dtype=torch.uint8)
+                    buf[0] = torch.empty(b.nbytes, dtype=torch.uint8)
+                b.flatten(out=buf[0])
+
+        res = {}
+        for name, fn in (("sync", sync), ("pack", pack)):
+            with torch.no_grad():
+                fn()  # warm-up
+                times = []
+                for _ in range(spec["repeats"]):
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    fn()
+                    times.append((time.perf_counter() - t0) * 1e3)
+                dist.barrier()
+                buf[0] = torch.empty(0, dtype=torch.uint8)  # the measured pack allocates its buffer
+                trim[0] = True
+                with PeakMemory(cpu) as pm:
+                    fn()
+                trim[0] = False
+            res[f"{name}_ms"] = statistics.median(times)
+            res[f"{name}_ms_all"] = [round(t, 2) for t in times]
+            res[f"peak_{name}_mib"] = None if pm.peak_bytes is None else pm.peak_bytes / 2**20
+        sync()
+        own = dict(rollout.model.named_parameters())
+        exact = all(torch.equal(own[n], t) for n, t in engine.named_weights() if n in own)
+        rows.append(dict(model=spec["model"], params=n_params, zero=spec["zero"], procs=world,
+                         bucket_mb=mb, buckets=len(counted),
+                         largest_bucket_mib=max(counted) / 2**20, exact=exact, **res))
+    if rank == 0:
+        Path(out).write_text(json.dumps(rows))
+    dist.barrier()
+
+
+def run_case(model: str, zero: int, procs: int, buckets: list[float], repeats: int) -> list[dict]:
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rows.json")
+        spec = dict(model=model, zero=zero, buckets=buckets, repeats=repeats, run_dir=os.path.join(tmp, "run"))
+        t0 = time.perf_counter()
+        mp.spawn(_worker, args=(procs, _free_port(), spec, out), nprocs=procs, join=True)
+        rows = json.loads(Path(out).read_text())
+    print(f"[weight_sync] {model} zero{zero} x{procs}: {time.perf_counter() - t0:.0f} s", flush=True)
+    return rows
+
+
+def _fmt(x, nd=1):
+    return "—" if x is None else f"{x:.{nd}f}"
+
+
+def write_results(rows: list[dict], env: dict, out_dir: Path, date: str) -> tuple[Path, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    jpath, mpath = out_dir / f"weight-sync-cpu-{date}.json", out_dir / f"weight-sync-cpu-{date}.md"
+    jpath.write_text(json.dumps({"env": env, "rows": rows}, indent=1) + "\n")
+    lines = [f"# Weight sync on CPU ({date})", "",
+             f"{env['host_cpu']}, {env['host_cores']} cores, torch {env['torch']}, deepspeed {env['deepspeed']}; "
+             "one intra-op thread per process; gloo. Policy (DeepSpeed, fp32) -> HF rollout engine. "
+             "`sync`: `update_weights(engine.weight_buckets(mb))`; `pack`: the same buckets into one flat "
+             "buffer (vLLM server mode's extra step). Median of the timed repeats; peak = RSS increment "
+             "on rank 0 of a separate run with malloc_trim after each bucket (live memory). "
+             "bucket 0 = per parameter.", "",
+             "| model | params | ZeRO | procs | bucket MiB | buckets | largest MiB | sync ms | pack ms "
+             "| peak sync MiB | peak pack MiB | exact |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['params'] / 1e6:.2f}M | {r['zero']} | {r['procs']} | "
+                     f"{'per-param' if r['bucket_mb'] == 0 else _fmt(r['bucket_mb'], 0)} | {r['buckets']} | "
+                     f"{_fmt(r['largest_bucket_mib'], 2)} | {_fmt(r['sync_ms'])} | {_fmt(r['pack_ms'])} | "
+                     f"{_fmt(r['peak_sync_mib'])} | {_fmt(r['peak_pack_mib'])} | {r['exact']} |")
+    mpath.write_text("\n".join(lines) + "\n")
+    return jpath, mpath
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--zero", nargs="+", type=int, default=[0, 3], choices=[0, 1, 2, 3])
+    ap.add_argument("--procs", nargs="+", type=int, default=[1, 2], help="2 processes run for ZeRO-3 only")
+    ap.add_argument("--buckets", nargs="+", type=float, default=[0, 1, 16, 64], help="MiB; 0 = per parameter")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default="bench/results")
+    args = ap.parse_args(argv)
+    import deepspeed  # noqa: F401 - recorded below; fail early when absent
+    import torch
+
+    from bench._measure import cpu_count, cpu_model
+
+    rows = []
+    for model in args.models:
+        for zero in args.zero:
+            for procs in args.procs:
+                if procs > 1 and zero != 3:
+                    continue
+                rows += run_case(model, zero, procs, args.buckets, args.repeats)
+    env = {"host_cpu": cpu_model(), "host_cores": cpu_count(), "torch": torch.__version__,
+           "deepspeed": deepspeed.__version__, "repeats": args.repeats}
+    jpath, mpath = write_results(rows, env, Path(args.out), _dt.date.today().isoformat())
+    print(mpath.read_text())
+    print(f"[weight_sync] wrote {jpath} and {mpath}")
+
+
+if __name__ == "__main__":
+    main()
