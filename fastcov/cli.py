@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # name -> (module, one-line help)
@@ -20,8 +21,24 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+def _take_local_rank(argv: list[str]) -> list[str]:
+    """The deepspeed launcher puts --local_rank=N before the subcommand; move it into LOCAL_RANK."""
+    rest, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith(("--local_rank=", "--local-rank=")):
+            os.environ.setdefault("LOCAL_RANK", arg.split("=", 1)[1])
+        elif arg in ("--local_rank", "--local-rank") and i + 1 < len(argv):
+            os.environ.setdefault("LOCAL_RANK", argv[i + 1])
+            i += 1
+        else:
+            rest.append(arg)
+        i += 1
+    return rest
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    argv = _take_local_rank(sys.argv[1:] if argv is None else list(argv))
     parser = argparse.ArgumentParser(prog="fastcov", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, help_text) in SUBCOMMANDS.items():

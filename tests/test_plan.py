@@ -73,3 +73,13 @@ def test_bad_arguments(kwargs, match):
 def test_unknown_model_is_a_clear_error(capsys):
     assert main(["plan", "--model", "gpt-9", "--gpus", "1", "--tokens-per-gpu", "1"]) == 2
     assert "unknown preset 'gpt-9'" in capsys.readouterr().out
+
+
+def test_cli_accepts_the_deepspeed_launchers_local_rank(monkeypatch, capsys):
+    monkeypatch.setenv("LOCAL_RANK", "unset")  # monkeypatch restores the original environment afterwards
+    monkeypatch.delenv("LOCAL_RANK")
+    assert main(["--local_rank=3", "plan", "--model", "qwen2.5-0.5b", "--gpus", "1", "--tokens-per-gpu", "8"]) == 0
+    import os
+
+    assert os.environ["LOCAL_RANK"] == "3"
+    assert "qwen2.5-0.5b" in capsys.readouterr().out
