@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     total = time.perf_counter() - t_start
     pre = (
         "Tiny Qwen2 (2 layers, hidden 96) warm-started on arithmetic word problems, then RL from the same "
-        f"start and seed with `{args.config}`. Wall time {total:.0f}s "
+        f"start and seed with `{os.path.relpath(args.config)}`. Wall time {total:.0f}s "
         f"(warm-start {sft['sft_seconds']:.0f}s; " + ", ".join(f"{a} {s:.0f}s" for a, s in timings.items())
         + ").\n\n" + verdict(summaries)
     )

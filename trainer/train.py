@@ -20,6 +20,7 @@ import json
 import math
 import random
 import signal
+import sys
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -410,7 +411,9 @@ def train(cfg: Config, resume: bool | str = False, stop_at: int | None = None, o
     if rank == 0 and t.progress:
         from tqdm.auto import tqdm
 
-        pbar = tqdm(total=t.max_steps, initial=step, desc=f"train {a.mode}", dynamic_ncols=True)
+        # in a log file (not a terminal) a line every 30 s instead of one per step
+        pbar = tqdm(total=t.max_steps, initial=step, desc=f"train {a.mode}", dynamic_ncols=True,
+                    mininterval=0.1 if sys.stderr.isatty() else 30.0)
 
     if step == 0 and t.eval_every and val_set:
         res = evaluate(rollout, val_set, reward_fn, tokenizer, cfg, rank, world, device, 0)
