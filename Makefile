@@ -32,7 +32,7 @@ $(VERL_STAMP): pyproject.toml requirements/dev.txt requirements/verl.txt
 	touch $(VERL_STAMP)
 
 test-verl: $(VERL_STAMP)
-	$(VERL_VENV)/bin/python -m pytest -q -ra -p no:cacheprovider tests/integrations_verl
+	$(VERL_VENV)/bin/python -m pytest -q -ra -p no:cacheprovider tests/integrations_verl tests/test_verl_parity.py
 
 bench: $(STAMP)
 	$(PY) -m bench.kernels --preset cpu-small

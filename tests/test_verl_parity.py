@@ -33,6 +33,17 @@ def _find_wheel() -> Path | None:
     return wheels[0] if wheels else None
 
 
+def _installed_verl() -> Path | None:
+    """An installed verl 0.9.1's package directory (``make test-verl``'s environment), found without
+    importing it (importing verl pulls ray)."""
+    spec = importlib.util.find_spec("verl")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    root = Path(list(spec.submodule_search_locations)[0])
+    version = root / "version" / "version"
+    return root if version.exists() and version.read_text().strip() == "0.9.1" else None
+
+
 def _functions_from_source(source: str, names: set[str], namespace: dict) -> None:
     """Execute only the top-level functions ``names`` of ``source`` into ``namespace``."""
     tree = ast.parse(source)
@@ -43,13 +54,18 @@ def _functions_from_source(source: str, names: set[str], namespace: dict) -> Non
 
 @pytest.fixture(scope="module")
 def verl_core(tmp_path_factory):
-    wheel = _find_wheel()
-    if wheel is None:
-        pytest.skip(f"verl 0.9.1 wheel not found in {WHEEL_DIR} (needed as the reference implementation)")
-    root = tmp_path_factory.mktemp("verl091")
-    with zipfile.ZipFile(wheel) as archive:
-        core_path = Path(archive.extract("verl/trainer/ppo/core_algos.py", root))
-        functional_path = Path(archive.extract("verl/utils/torch_functional.py", root))
+    wheel, installed = _find_wheel(), _installed_verl()
+    if wheel is not None:
+        root = tmp_path_factory.mktemp("verl091")
+        with zipfile.ZipFile(wheel) as archive:
+            core_path = Path(archive.extract("verl/trainer/ppo/core_algos.py", root))
+            functional_path = Path(archive.extract("verl/utils/torch_functional.py", root))
+    elif installed is not None:
+        core_path = installed / "trainer" / "ppo" / "core_algos.py"
+        functional_path = installed / "utils" / "torch_functional.py"
+    else:
+        pytest.skip(f"verl 0.9.1 is neither installed nor its wheel in {WHEEL_DIR} (the reference "
+                    f"implementation); make test-verl runs this file with verl installed")
 
     functional = types.ModuleType("verl.utils.torch_functional")
     functional.torch = torch
