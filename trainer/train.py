@@ -548,9 +548,10 @@ def train(cfg: Config, resume: bool | str = False, stop_at: int | None = None, o
             if logger:
                 logger.log(rec)
             if pbar is not None:
-                pbar.update(1)
                 pbar.set_postfix(reward=f"{rec['reward_mean']:.3f}", H=f"{rec['entropy']:.3f}",
-                                 **({"val": f"{rec['val_acc']:.3f}"} if "val_acc" in rec else {}))
+                                 **({"val": f"{rec['val_acc']:.3f}"} if "val_acc" in rec else {}),
+                                 refresh=False)  # update() redraws, at most every mininterval
+                pbar.update(1)
             if stop_now:
                 if rank == 0:
                     print(f"[fastcov] stopped at step {step}; checkpoint saved", flush=True)
