@@ -16,6 +16,7 @@ are never built.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import random
@@ -335,8 +336,14 @@ def train(cfg: Config, resume: bool | str = False, stop_at: int | None = None, o
 
     ``resume``: True for the newest checkpoint of the run, or a checkpoint directory. ``stop_at``: save and
     stop after that step, as Ctrl-C would. ``on_end(policy_engine, rollout_engine)`` is called on every
-    rank after the last step (inspection, e.g. by tests).
+    rank after the last step (inspection, e.g. by tests). However the run ends (an error included), its
+    metrics file, progress bar and reward worker process are closed.
     """
+    with contextlib.ExitStack() as closing:
+        return _train(cfg, resume, stop_at, on_end, closing)
+
+
+def _train(cfg: Config, resume, stop_at, on_end, closing: contextlib.ExitStack) -> Path:
     t, a, r = cfg.trainer, cfg.algo, cfg.rollout
     # ------------------------------------------------------------------ setup
     device = pick_device(t.device)
@@ -363,6 +370,7 @@ def train(cfg: Config, resume: bool | str = False, stop_at: int | None = None, o
     rollout = make_rollout_engine(cfg, lm, tokenizer, device=device, rank=rank, world=world)
     engine = PolicyEngine(PolicyModel(lm), cfg, device, world)
     reward_fn = RewardFn(cfg.reward.kind, cfg.reward.timeout_s, cfg.reward.sandbox)
+    closing.callback(reward_fn.close)
     pad_id = tokenizer.pad_token_id
 
     seed_everything(t.seed + 1000 * rank)
@@ -390,6 +398,8 @@ def train(cfg: Config, resume: bool | str = False, stop_at: int | None = None, o
             print(f"[fastcov] resumed from {path} at step {step}", flush=True)
     logger = (MetricsLogger(run_dir, cfg.to_dict(), t.tensorboard, t.wandb, t.wandb_project,
                             resume_step=step if resume else None) if rank == 0 else None)
+    if logger:
+        closing.callback(logger.close)
     if rank == 0:
         print(f"[fastcov] run {run_dir}: {len(train_set)} train / {len(val_set)} val prompts "
               f"({json.dumps(data_stats)}), world {world}, device {device}, zero {t.zero_stage}, "
@@ -414,6 +424,7 @@ def train(cfg: Config, resume: bool | str = False, stop_at: int | None = None, o
         # in a log file (not a terminal) a line every 30 s instead of one per step
         pbar = tqdm(total=t.max_steps, initial=step, desc=f"train {a.mode}", dynamic_ncols=True,
                     mininterval=0.1 if sys.stderr.isatty() else 30.0)
+        closing.callback(pbar.close)
 
     if step == 0 and t.eval_every and val_set:
         res = evaluate(rollout, val_set, reward_fn, tokenizer, cfg, rank, world, device, 0)
@@ -557,7 +568,7 @@ def train(cfg: Config, resume: bool | str = False, stop_at: int | None = None, o
                     print(f"[fastcov] stopped at step {step}; checkpoint saved", flush=True)
                 break
     if pbar is not None:
-        pbar.close()
+        pbar.close()  # before on_end and the export print; closing again is a no-op
     if on_end is not None:
         on_end(engine, rollout)
     if step == t.max_steps:
@@ -566,7 +577,4 @@ def train(cfg: Config, resume: bool | str = False, stop_at: int | None = None, o
                 model.save_pretrained(run_dir / "final")
                 tokenizer.save_pretrained(run_dir / "final")
         dist.barrier()
-    if logger:
-        logger.close()
-    reward_fn.close()
     return run_dir
