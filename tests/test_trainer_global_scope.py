@@ -15,6 +15,7 @@ import socket
 from pathlib import Path
 
 import pytest
+from _dist import shutdown_process_group
 import torch
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -150,6 +151,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
                        "OMP_NUM_THREADS": "1"})
     torch.set_num_threads(1)
     _run_all(rank, world, Path(out_dir), RUNS)
+    shutdown_process_group()
 
 
 def _free_port() -> int:
@@ -175,6 +177,7 @@ def _worker_single(rank: int, port: int, out_dir: str) -> None:
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
     torch.set_num_threads(1)
     _run_all(0, 1, Path(out_dir), REFERENCE)
+    shutdown_process_group()
 
 
 def _load(out: Path, name: str, world: int):

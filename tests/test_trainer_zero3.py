@@ -7,6 +7,7 @@ import socket
 from pathlib import Path
 
 import pytest
+from _dist import shutdown_process_group
 
 pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")
@@ -67,6 +68,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     train_mod.train(cfg, on_end=on_end)
     with open(Path(out_dir) / f"rank{rank}.json", "w") as f:
         json.dump(result, f)
+    shutdown_process_group()
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ import socket
 from pathlib import Path
 
 import pytest
+from _dist import shutdown_process_group
 import torch
 
 from fastcov.trainer.weight_sync import (ALIGN, Bucket, BucketMeta, aligned, as_buckets, bucket_bytes_from_mb,
@@ -254,6 +255,7 @@ def _zero3_worker(rank: int, world: int, port: int, out_dir: str) -> None:
                n_tensors=len(lm_params) + len(list(engine.policy.lm.buffers())), idle_gathered=idle)
     with open(Path(out_dir) / f"rank{rank}.json", "w") as f:
         json.dump(res, f)
+    shutdown_process_group()
 
 
 @pytest.mark.slow
