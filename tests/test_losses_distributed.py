@@ -8,11 +8,11 @@ generator is seeded differently from rank 0's (only group rank 0's seed may matt
 from __future__ import annotations
 
 import os
-import socket
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from _dist import free_port as _free_port
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -112,12 +112,6 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _concat(values):

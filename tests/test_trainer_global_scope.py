@@ -11,10 +11,10 @@ runs but selects per micro-batch, which changes the update (so the comparison ca
 import copy
 import os
 import random
-import socket
 from pathlib import Path
 
 import pytest
+from _dist import free_port as _free_port
 from _dist import shutdown_process_group
 import torch
 
@@ -153,11 +153,6 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     _run_all(rank, world, Path(out_dir), RUNS)
     shutdown_process_group()
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -3,10 +3,10 @@ exactly the (gathered) policy weights, and the step changed them."""
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
+from _dist import free_port as _free_port
 from _dist import shutdown_process_group
 
 pytest.importorskip("deepspeed")
@@ -14,11 +14,6 @@ pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parent.parent
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:

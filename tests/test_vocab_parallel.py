@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import socket
 
 import pytest
+from _dist import free_port as _free_port
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -42,11 +42,6 @@ def _worker(rank, port, queue):
     finally:
         dist.destroy_process_group()
 
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.timeout(120)

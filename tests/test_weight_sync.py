@@ -4,10 +4,10 @@ import contextlib
 import json
 import os
 import random
-import socket
 from pathlib import Path
 
 import pytest
+from _dist import free_port as _free_port
 from _dist import shutdown_process_group
 import torch
 
@@ -195,11 +195,6 @@ def test_peak_host_memory_is_one_bucket_not_a_state_dict():
 
 
 # ----------------------------------------------------------------------------------------- ZeRO-3, 2 processes
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _zero3_worker(rank: int, world: int, port: int, out_dir: str) -> None:
