@@ -69,3 +69,23 @@ def test_resolved_config_round_trips(tmp_path):
     save_config(cfg, tmp_path / "config.yaml")
     again = load_config(tmp_path / "config.yaml")
     assert again == cfg
+
+
+def test_every_loss_hyperparameter_reaches_the_loss():
+    """Each LossConfig field the algo section carries arrives in the trainer's LossConfig unchanged."""
+    import dataclasses
+
+    from fastcov.losses import LossConfig
+    from fastcov.trainer.config import AlgoConfig
+    from fastcov.trainer.train import loss_config
+
+    shared = {f.name for f in dataclasses.fields(LossConfig)} & {f.name for f in dataclasses.fields(AlgoConfig)}
+    assert shared >= {"clip_low", "clip_high", "clip_cov_ratio", "kl_cov_ratio", "kl_cov_coef", "cov_score"}
+    values = dict(clip_low=0.11, clip_high=0.31, dual_clip_c=3.5, clip_cov_ratio=0.013, clip_cov_lb=0.7,
+                  clip_cov_ub=4.2, kl_cov_ratio=0.021, kl_cov_coef=0.9, entropy_coef=0.004,
+                  pos_adv_weight=0.6, neg_adv_weight=0.8, high_entropy_fraction=0.25, cov_score="vocab")
+    assert set(values) == shared, "a new shared field needs a value here"
+    cfg = loss_config(AlgoConfig(**values), pos_adv_weight=0.45)
+    for name, value in values.items():
+        assert getattr(cfg, name) == (0.45 if name == "pos_adv_weight" else value), name
+    assert cfg.check_finite is False

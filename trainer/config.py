@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from fastcov.losses import LossConfig
+
 
 class ConfigError(ValueError):
     """A bad config key or value; the message names the dotted key."""
@@ -104,23 +106,24 @@ class AlgoConfig:
     # ranks (independent of the micro-batch split and the rank count); microbatch: per micro-batch and
     # rank, like verl 0.9.1 (for comparison).
     scope: Literal["global", "microbatch"] = "global"
-    clip_low: float = 0.2
-    clip_high: float = 0.2  # > clip_low gives DAPO's clip-higher
-    dual_clip_c: float | None = None
-    clip_cov_ratio: float = 2e-4
-    clip_cov_lb: float = 1.0
-    clip_cov_ub: float = 5.0
-    kl_cov_ratio: float = 2e-4
-    kl_cov_coef: float = 1.0
-    entropy_coef: float = 0.0
-    pos_adv_weight: float = 1.0
-    neg_adv_weight: float = 1.0
+    # The loss hyperparameters below take fastcov.losses.LossConfig's defaults (one source of truth).
+    clip_low: float = LossConfig.clip_low
+    clip_high: float = LossConfig.clip_high  # > clip_low gives DAPO's clip-higher
+    dual_clip_c: float | None = LossConfig.dual_clip_c
+    clip_cov_ratio: float = LossConfig.clip_cov_ratio
+    clip_cov_lb: float = LossConfig.clip_cov_lb
+    clip_cov_ub: float = LossConfig.clip_cov_ub
+    kl_cov_ratio: float = LossConfig.kl_cov_ratio
+    kl_cov_coef: float = LossConfig.kl_cov_coef
+    entropy_coef: float = LossConfig.entropy_coef
+    pos_adv_weight: float = LossConfig.pos_adv_weight
+    neg_adv_weight: float = LossConfig.neg_adv_weight
     # Jin et al.'s entropy-guided lambda schedule for the positive-advantage weight.
     pos_weight_schedule: bool = False
     pos_weight_target_entropy: float = 0.2
     pos_weight_delta: float = 0.05
-    high_entropy_fraction: float | None = None
-    cov_score: Literal["batch", "vocab"] = "batch"
+    high_entropy_fraction: float | None = LossConfig.high_entropy_fraction
+    cov_score: Literal["batch", "vocab"] = LossConfig.cov_score
     dapo_filter: bool = False
     ppo_epochs: int = 1
     mini_batches: int = 1  # optimizer steps per rollout batch

@@ -54,6 +54,18 @@ class RolloutError(RuntimeError):
     pass
 
 
+def loss_config(a, pos_adv_weight: float) -> LossConfig:
+    """The LossConfig of one update from the run's ``algo`` section (λ from its schedule)."""
+    return LossConfig(
+        clip_low=a.clip_low, clip_high=a.clip_high, dual_clip_c=a.dual_clip_c,
+        clip_cov_ratio=a.clip_cov_ratio, clip_cov_lb=a.clip_cov_lb, clip_cov_ub=a.clip_cov_ub,
+        kl_cov_ratio=a.kl_cov_ratio, kl_cov_coef=a.kl_cov_coef, entropy_coef=a.entropy_coef,
+        pos_adv_weight=pos_adv_weight, neg_adv_weight=a.neg_adv_weight,
+        high_entropy_fraction=a.high_entropy_fraction, cov_score=a.cov_score,
+        check_finite=False,  # a non-finite loss skips the step instead of raising
+    )
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -491,14 +503,7 @@ def _train(cfg: Config, resume, stop_at, on_end, closing: contextlib.ExitStack) 
             # ---------------------------------------------------------- 5. policy update
             t0 = time.perf_counter()
             lam = lam_sched.value if lam_sched is not None else a.pos_adv_weight
-            loss_cfg = LossConfig(
-                clip_low=a.clip_low, clip_high=a.clip_high, dual_clip_c=a.dual_clip_c,
-                clip_cov_ratio=a.clip_cov_ratio, clip_cov_lb=a.clip_cov_lb, clip_cov_ub=a.clip_cov_ub,
-                kl_cov_ratio=a.kl_cov_ratio, kl_cov_coef=a.kl_cov_coef, entropy_coef=a.entropy_coef,
-                pos_adv_weight=lam, neg_adv_weight=a.neg_adv_weight,
-                high_entropy_fraction=a.high_entropy_fraction, cov_score=a.cov_score,
-                check_finite=False,  # a non-finite loss skips the step below instead of raising
-            )
+            loss_cfg = loss_config(a, pos_adv_weight=lam)
             kept_groups = [g for g in range(t.prompts_per_step) if keep[g]]
             lr = lr_at(engine.steps, cfg.optim, t.max_steps * a.ppo_epochs * a.mini_batches)
             upd = update_policy(engine, seqs, kept_groups, cfg, loss_cfg, lr, pad_id, device, gens["select"])
