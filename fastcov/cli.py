@@ -2,6 +2,12 @@
 
 A subcommand module provides ``add_arguments(parser)`` and ``run(args) -> int``. Modules are imported
 only when their subcommand runs, so `fastcov fit-law --help` never imports deepspeed or transformers.
+
+Errors: a mistake of the user's (a bad argument, a missing or malformed file, a bad config value) is
+raised anywhere below as a ``UserError`` and printed here as one line on stderr, ``fastcov CMD: what is
+wrong and what to do``, exit status ``UserError.exit_code`` (2 by default). Anything else is a bug and
+keeps its traceback. ``--debug`` (anywhere on the command line) or ``FASTCOV_DEBUG=1`` re-raises user
+errors too, with their traceback. Exit codes are listed in docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -19,6 +25,44 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "fit-law": ("fastcov.law_cli", "fit the entropy law R = -a*exp(H) + b to a metrics.jsonl"),
     "plan": ("fastcov.plan", "per-GPU memory plan for a model, GPU count and token budget"),
 }
+
+
+class UserError(Exception):
+    """A failure the user caused and can fix: ``str(exc)`` names the argument, key or file and what to do.
+
+    The CLI prints it as one line (no traceback) and exits with ``exit_code``: 2 for usage errors (bad
+    arguments, config values, input files), 1 for a run that cannot continue (e.g. a failed rollout
+    engine). Library callers catch it like any exception; subclasses also derive from the builtin they
+    refine (``ConfigError`` is a ``ValueError``, a missing data file a ``FileNotFoundError``).
+    """
+
+    exit_code = 2
+
+
+def debug_enabled() -> bool:
+    return os.environ.get("FASTCOV_DEBUG", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def one_line(message: object) -> str:
+    """``message`` as a single line (later lines of a multi-line message are joined with ' | ')."""
+    lines = [ln.strip() for ln in str(message).splitlines() if ln.strip()]
+    return " | ".join(lines) if lines else "error"
+
+
+class UsageError(UserError):
+    """A bad command line (argparse's complaint)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line naming the argument (and --help), not usage + error."""
+
+    def error(self, message: str):  # noqa: D401 - argparse's hook
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+def _take_debug(argv: list[str]) -> tuple[list[str], bool]:
+    rest = [a for a in argv if a != "--debug"]
+    return rest, len(rest) != len(argv)
 
 
 def _take_local_rank(argv: list[str]) -> list[str]:
@@ -39,7 +83,9 @@ def _take_local_rank(argv: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = _take_local_rank(sys.argv[1:] if argv is None else list(argv))
-    parser = argparse.ArgumentParser(prog="fastcov", description=__doc__.splitlines()[0])
+    argv, debug = _take_debug(argv)
+    debug = debug or debug_enabled()
+    parser = _Parser(prog="fastcov", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, help_text) in SUBCOMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
@@ -47,20 +93,26 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     name = argv[0]
-    if name not in SUBCOMMANDS:
-        parser.error(f"unknown command {name!r}; choose from {', '.join(SUBCOMMANDS)}")
-    module_name, help_text = SUBCOMMANDS[name]
+    prog = f"fastcov {name}" if name in SUBCOMMANDS else "fastcov"
     try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name == module_name:
-            print(f"fastcov {name}: not available in this version", file=sys.stderr)
-            return 2
-        raise
-    sub_parser = argparse.ArgumentParser(prog=f"fastcov {name}", description=help_text)
-    module.add_arguments(sub_parser)
-    args = sub_parser.parse_args(argv[1:])
-    return int(module.run(args) or 0)
+        if name not in SUBCOMMANDS:
+            raise UsageError(f"unknown command {name!r}; choose from {', '.join(SUBCOMMANDS)}")
+        module_name, help_text = SUBCOMMANDS[name]
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name == module_name:
+                raise UsageError("not available in this version") from exc
+            raise
+        sub_parser = _Parser(prog=prog, description=help_text)
+        module.add_arguments(sub_parser)
+        args = sub_parser.parse_args(argv[1:])
+        return int(module.run(args) or 0)
+    except UserError as exc:
+        if debug:
+            raise
+        print(f"{prog}: {one_line(exc)}", file=sys.stderr)
+        return exc.exit_code
 
 
 if __name__ == "__main__":

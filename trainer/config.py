@@ -2,25 +2,29 @@
 
     cfg = load_config("configs/demo.yaml", ["algo.mode=kl_cov", "trainer.max_steps=50"])
 
-Every key is checked: an unknown key or a value of the wrong type or outside its allowed set raises
-``ConfigError`` naming the dotted key (``algo.mdoe``, ``optim.lr``). The resolved config is written to the
-run directory as ``config.yaml`` by the trainer.
+Every key is checked: an unknown key (with the nearest known one suggested), a value of the wrong type,
+a non-finite float (``.inf``, ``.nan``) or a value outside its allowed range raises ``ConfigError`` naming
+the dotted key (``algo.mdoe``, ``optim.lr``); a YAML syntax error names the file, line and column. The
+resolved config is written to the run directory as ``config.yaml`` by the trainer.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from fastcov.cli import UserError
 from fastcov.losses import LossConfig
 
 
-class ConfigError(ValueError):
-    """A bad config key or value; the message names the dotted key."""
+class ConfigError(UserError, ValueError):
+    """A bad config key or value; the message names the dotted key (the CLI prints it, exit status 2)."""
 
 
 @dataclass
@@ -206,7 +210,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             try:
                 return _coerce(value, arg, key)
             except ConfigError as exc:
-                errors.append(str(exc))
+                errors.append(exc)
+        if len(errors) == 1:  # Optional[X]: X's own message says more
+            raise errors[0]
         raise ConfigError(f"{key}: {value!r} does not match {_type_name(tp)}")
     if origin is Literal:
         if value not in args:
@@ -247,7 +253,13 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 raise ConfigError(f"{key}: expected a number, got {value!r}") from None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}: expected a number, got {value!r}")
-        return float(value)
+        try:
+            value = float(value)
+        except OverflowError:  # an int too large for a float
+            raise ConfigError(f"{key}: {value!r} is too large") from None
+        if not math.isfinite(value):
+            raise ConfigError(f"{key}: must be a finite number, got {value!r}")
+        return value
     if tp is str:
         if not isinstance(value, str):
             raise ConfigError(f"{key}: expected a string, got {value!r}")
@@ -265,7 +277,10 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     for k in data:
         if k not in names:
             full = f"{prefix}.{k}" if prefix else str(k)
-            raise ConfigError(f"unknown config key {full!r} (known: {', '.join(sorted(names))})")
+            near = difflib.get_close_matches(str(k), sorted(names), n=1, cutoff=0.6)
+            hint = (f"did you mean {(f'{prefix}.' if prefix else '') + near[0]!r}?" if near
+                    else f"known keys{(' of ' + prefix) if prefix else ''}: {', '.join(sorted(names))}")
+            raise ConfigError(f"unknown config key {full!r}; {hint}")
     kwargs = {}
     for k, v in data.items():
         full = f"{prefix}.{k}" if prefix else k
@@ -336,6 +351,9 @@ def validate(cfg: Config) -> Config:
     _check(a.ppo_epochs >= 1, "algo.ppo_epochs", "must be >= 1")
     _check(a.mini_batches >= 1, "algo.mini_batches", "must be >= 1")
     _check(a.mini_batches <= t.prompts_per_step, "algo.mini_batches", "must be <= trainer.prompts_per_step")
+    _check(t.prompts_per_step % a.mini_batches == 0, "algo.mini_batches",
+           f"{a.mini_batches} does not divide trainer.prompts_per_step={t.prompts_per_step}; pick a divisor "
+           "so every mini-batch holds the same number of prompts")
     if a.adv_estimator in ("grpo", "dr_grpo", "rloo"):
         _check(r.n >= 2, "rollout.n", f"{a.adv_estimator} needs >= 2 rollouts per prompt")
     _check(o.lr > 0, "optim.lr", f"must be > 0, got {o.lr}")
@@ -401,12 +419,26 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     data: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
+        if p.is_dir():
+            raise ConfigError(f"config file {str(p)!r} is a directory; give a YAML file (see configs/)")
         if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist")
-        with open(p) as f:
-            data = yaml.safe_load(f) or {}
+            raise ConfigError(f"config file {str(p)!r} does not exist; give a YAML file (see configs/)")
+        try:
+            with open(p, encoding="utf-8") as f:
+                data = yaml.safe_load(f)
+        except OSError as exc:
+            raise ConfigError(f"config file {str(p)!r}: cannot read it ({exc.strerror or exc})") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"config file {str(p)!r}: not a UTF-8 text file; give a YAML file") from None
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            what = getattr(exc, "problem", None) or "invalid YAML"
+            raise ConfigError(f"config file {str(p)!r}:{where}: YAML syntax error ({what}); fix the file") from None
+        data = {} if data is None else data
         if not isinstance(data, dict):
-            raise ConfigError(f"config file {str(p)!r}: expected a mapping at the top level")
+            raise ConfigError(f"config file {str(p)!r}: expected a mapping (key: value) at the top level, "
+                              f"got {type(data).__name__}")
     apply_overrides(data, list(overrides or []))
     return config_from_dict(data)
 
