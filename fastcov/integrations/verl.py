@@ -1,15 +1,31 @@
 """verl: fastcov's losses in verl's policy-loss registry, and a drop-in for verl's fused kernel.
 
+    pip install 'fastcov[verl]'                 # verl itself is installed separately (tested: verl 0.9.1)
     import fastcov.integrations.verl            # registers the losses (also done by verl itself at
                                                 # `import verl`, through fastcov's "verl.plugins" entry point)
     actor_rollout_ref.actor.policy_loss.loss_mode=fastcov_kl_cov     # in a verl run's overrides
 
-Registered names: ``fastcov_vanilla``, ``fastcov_clip_cov``, ``fastcov_kl_cov``. They read verl's own
-actor config (clip_ratio_low/high, clip_ratio_c, policy_loss.clip_cov_ratio/lb/ub, kl_cov_ratio,
-ppo_kl_coef) and compute the covariance statistics and the selection over all data-parallel ranks
-(fastcov's ``scope="global"``), so the selected tokens no longer depend on the GPU count. The
-selection is still made per call, i.e. per micro-batch: with gradient accumulation over several
-micro-batches it spans one micro-batch on every rank (fastcov's own trainer selects per mini-batch).
+Registered names and what each equals in verl 0.9.1 (same inputs, same config, one data-parallel rank)::
+
+    fastcov_vanilla             verl's ``vanilla``   (PPO clip + dual clip with clip_ratio_c, log-ratio clamped to ±20)
+    fastcov_clip_cov            verl's ``clip_cov``  (PPO clip, no dual clip; random pick in the band)
+    fastcov_clip_cov_dual_clip  ``clip_cov`` plus the dual clip with clip_ratio_c on A < 0 (not in verl)
+    fastcov_kl_cov              verl's ``kl_cov``    (no PPO clip; β·|log ratio| on the top-k covariance tokens)
+
+They read verl's own actor config (clip_ratio, clip_ratio_low/high, clip_ratio_c, policy_loss.clip_cov_ratio/lb/ub,
+kl_cov_ratio, ppo_kl_coef), multiply by ``rollout_is_weights`` when verl passes them, and aggregate with verl's own
+``agg_loss`` and ``config.global_batch_info`` (dp_size, batch_num_tokens, global_batch_size, loss_scale_factor), so
+every ``loss_agg_mode`` of verl (token-mean, token-sum, seq-mean-token-sum, seq-mean-token-mean,
+seq-mean-token-sum-norm) and ``loss_scale_factor`` behave exactly as in verl's losses. Metrics carry verl's names
+(``actor/pg_clipfrac``, ``actor/ppo_kl``, ``actor/pg_clipfrac_lower``) with verl's meaning per loss, plus
+``actor/fastcov/selected_frac``.
+
+The one deliberate difference: with ``global_batch_info["dp_size"] > 1`` and torch.distributed initialised, the
+covariance means, k and the Clip-Cov / KL-Cov selection are computed over all data-parallel ranks (fastcov's
+``scope="global"``; the group is ``set_process_group(...)`` or the world), so the selected tokens no longer depend
+on the GPU count; verl selects on each rank alone. The selection is still made per call, i.e. per micro-batch.
+Clip-Cov's random pick uses torch's default generator (``set_generator`` to give it another); the pick is uniform
+like verl's ``randperm``, but the same seed picks different tokens than verl.
 
 ``linear_cross_entropy(hidden, weight, labels, temperature, reduction, dist_process_group)`` has the
 signature and outputs of verl's ``verl.utils.kernel.linear_cross_entropy`` — (logprobs, entropy) —
@@ -21,20 +37,38 @@ from __future__ import annotations
 import torch
 
 from fastcov.integrations._require import require
-from fastcov.losses import LossConfig, policy_loss
+from fastcov.losses import LossConfig, compute_global_selection, get_policy_loss
 from fastcov.ops import _backend, linear_logprob_entropy
 
-core_algos = require("verl.trainer.ppo.core_algos", "verl", "verl")
+core_algos = require("verl.trainer.ppo.core_algos", "verl", "'fastcov[verl]'")
+if not hasattr(core_algos, "agg_loss") or not hasattr(core_algos, "register_policy_loss"):
+    raise ImportError(
+        "fastcov.integrations.verl needs verl's core_algos.agg_loss and register_policy_loss (verl 0.9.1 is "
+        "tested); this verl has not got them"
+    )
 
-REGISTERED = {"fastcov_vanilla": "vanilla", "fastcov_clip_cov": "clip_cov", "fastcov_kl_cov": "kl_cov"}
+# registered name -> (fastcov mode, dual clip)
+REGISTERED = {
+    "fastcov_vanilla": ("vanilla", True),
+    "fastcov_clip_cov": ("clip_cov", False),
+    "fastcov_clip_cov_dual_clip": ("clip_cov", True),
+    "fastcov_kl_cov": ("kl_cov", False),
+}
 
 _process_group = None
+_generator: torch.Generator | None = None
 
 
 def set_process_group(group) -> None:
-    """The data-parallel group the registered losses reduce over (default: the world group)."""
+    """The data-parallel group the registered losses select over (default: the world group)."""
     global _process_group
     _process_group = group
+
+
+def set_generator(generator: torch.Generator | None) -> None:
+    """The generator Clip-Cov's random pick draws its seed from (None: torch's default generator)."""
+    global _generator
+    _generator = generator
 
 
 def _field(obj, name, default):
@@ -42,14 +76,18 @@ def _field(obj, name, default):
     return default if value is None else value
 
 
-def loss_config_from_verl(config) -> LossConfig:
-    """verl's ActorConfig (or anything with its attribute names) → fastcov LossConfig."""
+def loss_config_from_verl(config, *, dual_clip: bool = False) -> LossConfig:
+    """verl's ActorConfig (or anything with its attribute names) → fastcov LossConfig.
+
+    ``dual_clip``: apply verl's ``clip_ratio_c`` (default 3.0) on A < 0 tokens; verl's vanilla loss does,
+    its clip_cov does not.
+    """
     policy = getattr(config, "policy_loss", None)
     clip = _field(config, "clip_ratio", 0.2)
     return LossConfig(
         clip_low=float(_field(config, "clip_ratio_low", clip)),
         clip_high=float(_field(config, "clip_ratio_high", clip)),
-        dual_clip_c=_field(config, "clip_ratio_c", None),
+        dual_clip_c=float(_field(config, "clip_ratio_c", 3.0)) if dual_clip else None,
         clip_cov_ratio=float(_field(policy, "clip_cov_ratio", 2e-4)),
         clip_cov_lb=float(_field(policy, "clip_cov_lb", 1.0)),
         clip_cov_ub=float(_field(policy, "clip_cov_ub", 5.0)),
@@ -65,44 +103,71 @@ def _data_parallel_group(dp_size: int):
     return _process_group if _process_group is not None else torch.distributed.group.WORLD
 
 
-def _verl_loss(mode: str):
+def _masked_mean(values: torch.Tensor, valid: torch.Tensor) -> float:
+    return float(torch.where(valid, values.to(torch.float64), 0.0).sum() / valid.sum().clamp(min=1))
+
+
+def _verl_loss(name: str, mode: str, dual_clip: bool):
+    loss_mode = get_policy_loss(mode)
+
     def loss_fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
                 rollout_is_weights=None):
-        if rollout_is_weights is not None:
-            raise NotImplementedError(f"fastcov_{mode}: rollout correction weights are not supported")
+        if config is None:
+            raise ValueError(f"{name}: config (verl's actor config) is required")
         info = dict(_field(config, "global_batch_info", {}) or {})
-        dp_size = int(info.get("dp_size", 1))
-        group = _data_parallel_group(dp_size)
-        global_tokens = info.get("batch_num_tokens")
-        if global_tokens is None:
-            global_tokens = response_mask.sum() if group is None else None
-            if group is not None:
-                global_tokens = response_mask.sum().float()
-                torch.distributed.all_reduce(global_tokens, group=group)
-        global_seqs = info.get("global_batch_size")
-        if global_seqs is None and loss_agg_mode.startswith("seq-mean"):
-            global_seqs = (response_mask.sum(-1) > 0).sum().float()
-            if group is not None:
-                torch.distributed.all_reduce(global_seqs, group=group)
-        loss, metrics = policy_loss(
-            log_prob, old_log_prob, advantages, response_mask, mode=mode, agg=loss_agg_mode, scope="global",
-            config=loss_config_from_verl(config), group=group, global_tokens=global_tokens,
-            global_seqs=global_seqs,
-        )
-        # verl's data-parallel engines average gradients over ranks; fastcov's global losses sum them
-        scale = dp_size if group is not None else 1
-        return loss * scale, {f"actor/{name}": float(value) for name, value in metrics.items()}
+        group = _data_parallel_group(int(info.get("dp_size", 1) or 1))
+        cfg = loss_config_from_verl(config, dual_clip=dual_clip)
+        valid = response_mask.bool()
+        zeros = torch.zeros_like(log_prob)
+        logprob = torch.where(valid, log_prob, zeros)
+        old = torch.where(valid, old_log_prob.detach(), zeros)
+        adv = torch.where(valid, advantages.detach(), zeros)
+        selected = None
+        if loss_mode.selector is not None:
+            selected = compute_global_selection(logprob.detach(), old, adv, valid, mode=mode, config=cfg,
+                                                group=group, generator=_generator).cov
+        token_loss = loss_mode.loss(logprob, old, adv, selected, cfg)
+        if rollout_is_weights is not None:
+            token_loss = token_loss * rollout_is_weights
+        loss = core_algos.agg_loss(loss_mat=token_loss, loss_mask=response_mask, loss_agg_mode=loss_agg_mode, **info)
+        return loss, _metrics(mode, logprob.detach(), old, adv, valid, cfg, selected)
 
-    loss_fn.__name__ = f"fastcov_{mode}"
-    loss_fn.__doc__ = f"fastcov's {mode} policy loss (global scope) with verl's policy-loss signature."
+    loss_fn.__name__ = name
+    loss_fn.__doc__ = f"fastcov's {mode} policy loss with verl's policy-loss signature and aggregation."
     return loss_fn
+
+
+def _metrics(mode, logprob, old, adv, valid, cfg, selected) -> dict[str, float]:
+    """verl's metric names with the meaning verl's loss of the same mode gives them."""
+    with torch.no_grad():
+        log_ratio = logprob - old
+        metrics = {}
+        if mode == "kl_cov":
+            metrics["actor/ppo_kl"] = _masked_mean(log_ratio.abs(), valid)
+        else:
+            if mode == "vanilla":
+                log_ratio = log_ratio.clamp(-20.0, 20.0)
+            ratio = torch.exp(log_ratio)
+            unclipped = -adv * ratio
+            clipped = -adv * ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
+            metrics["actor/ppo_kl"] = _masked_mean(-log_ratio, valid)
+            if mode == "vanilla":
+                metrics["actor/pg_clipfrac"] = _masked_mean(clipped > unclipped, valid)
+            else:  # verl's clip_cov reports the fraction of tokens it selected as pg_clipfrac
+                metrics["actor/pg_clipfrac"] = _masked_mean(selected, valid)
+            if cfg.dual_clip_c is not None:
+                lower = (torch.maximum(unclipped, clipped) > -adv * cfg.dual_clip_c) & (adv < 0)
+                metrics["actor/pg_clipfrac_lower"] = _masked_mean(lower, valid)
+        if selected is not None:
+            metrics["actor/fastcov/selected_frac"] = _masked_mean(selected, valid)
+    return metrics
 
 
 def register_losses() -> list[str]:
     """Add fastcov's losses to verl's POLICY_LOSS_REGISTRY (idempotent); returns their names."""
-    for name, mode in REGISTERED.items():
+    for name, (mode, dual_clip) in REGISTERED.items():
         if name not in core_algos.POLICY_LOSS_REGISTRY:
-            core_algos.register_policy_loss(name)(_verl_loss(mode))
+            core_algos.register_policy_loss(name)(_verl_loss(name, mode, dual_clip))
     return list(REGISTERED)
 
 
