@@ -140,15 +140,21 @@ def linear_logprob_entropy(
     vocab_cov: bool = False,
     topk: int = 0,
     impl: str = "auto",
+    workspace_mb: Optional[float] = None,
 ) -> LogprobEntropy:
     """Log-prob of the label, entropy (and optionally κ and top-k) of softmax((hidden·Wᵀ + b)/T).
 
     hidden: [N, D] or [B, T, D], fp32/fp16/bf16. weight: [V, D], same dtype and device. bias: [V] or
     None. labels: int64 shaped like hidden without D; ignore_index rows give zeros and no gradient.
     impl: "triton" (CUDA, or CPU under TRITON_INTERPRET=1), "torch" (the chunked PyTorch twin, any
-    device) or "auto" (Triton on CUDA, the twin elsewhere). Returns a ``LogprobEntropy``.
+    device) or "auto" (Triton on CUDA, the twin elsewhere). workspace_mb: the backward's scratch
+    budget in MiB (default: $FASTCOV_WORKSPACE_MB, else 256); it walks the tokens in chunks of
+    R = ⌊budget / (V·itemsize)⌋ rows (see ``fastcov.kernels._workspace``). Returns a ``LogprobEntropy``.
     """
     temperature = _validate(hidden, weight, labels, bias, temperature, ignore_index, topk, impl)
+    from fastcov.kernels._workspace import workspace_bytes
+
+    workspace = workspace_bytes(workspace_mb)
     backend = _backend(impl, hidden.device)
     batch_shape = labels.shape
     hidden2d = hidden.reshape(-1, hidden.shape[-1])
@@ -156,7 +162,7 @@ def linear_logprob_entropy(
     from fastcov.kernels._autograd import LinearLogprobEntropyFunction
 
     logprob, ent, lse, kappa, top_logprob, top_index = LinearLogprobEntropyFunction.apply(
-        hidden2d, weight, bias, labels1d, temperature, ignore_index, bool(vocab_cov), topk, backend
+        hidden2d, weight, bias, labels1d, temperature, ignore_index, bool(vocab_cov), topk, backend, workspace
     )
     return LogprobEntropy(
         logprob=logprob.view(batch_shape),

@@ -18,8 +18,10 @@ class LinearLogprobEntropyFunction(torch.autograd.Function):
     topk indices [N, k]; all fp32 except indices (int64). Gradients flow through logprob and entropy."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, temperature, ignore_index, want_cov, topk, backend):
-        stats, (top_z, top_index) = backend.stats_forward(hidden, weight, bias, labels, temperature, topk)
+    def forward(ctx, hidden, weight, bias, labels, temperature, ignore_index, want_cov, topk, backend,
+                workspace=None):
+        stats, (top_z, top_index) = backend.stats_forward(hidden, weight, bias, labels, temperature, topk,
+                                                          want_cov=want_cov, workspace=workspace)
         valid = labels != ignore_index
         logsumexp, logprob, entropy, vocab_cov = finalize(stats, valid, weight.shape[0], want_cov)
         if topk:
@@ -32,6 +34,7 @@ class LinearLogprobEntropyFunction(torch.autograd.Function):
         ctx.save_for_backward(hidden, weight, bias, labels, logsumexp, entropy, valid)
         ctx.temperature = temperature
         ctx.backend = backend
+        ctx.workspace = workspace
         ctx.mark_non_differentiable(logsumexp, vocab_cov, top_logprob, top_index)
         return logprob, entropy, logsumexp, vocab_cov, top_logprob, top_index
 
@@ -42,12 +45,11 @@ class LinearLogprobEntropyFunction(torch.autograd.Function):
         g = zero if g_logprob is None else torch.where(valid, g_logprob.float(), zero)
         e = zero if g_entropy is None else torch.where(valid, g_entropy.float(), zero)
         dh, dw, db = ctx.backend.grad_backward(
-            hidden, weight, bias, labels, ctx.temperature, logsumexp, entropy, g, e
+            hidden, weight, bias, labels, ctx.temperature, logsumexp, entropy, g, e, workspace=ctx.workspace,
+            need_dh=ctx.needs_input_grad[0], need_dw=ctx.needs_input_grad[1],
         )
-        return (dh if ctx.needs_input_grad[0] else None,
-                dw if ctx.needs_input_grad[1] else None,
-                db if bias is not None and ctx.needs_input_grad[2] else None,
-                None, None, None, None, None, None)
+        return (dh, dw, db if bias is not None and ctx.needs_input_grad[2] else None,
+                None, None, None, None, None, None, None)
 
 
 class VocabParallelLogprobEntropyFunction(torch.autograd.Function):
@@ -60,21 +62,22 @@ class VocabParallelLogprobEntropyFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, temperature, ignore_index, group, backend):
+    def forward(ctx, hidden, weight, labels, temperature, ignore_index, group, backend, workspace=None):
         import torch.distributed as dist
 
         from fastcov.kernels._stats import combine_partials
 
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         local_labels = labels - rank * weight.shape[0]
-        stats, _ = backend.stats_forward(hidden, weight, None, local_labels, temperature, 0)
+        stats, _ = backend.stats_forward(hidden, weight, None, local_labels, temperature, 0, want_cov=False,
+                                         workspace=workspace)
         gathered = [torch.empty_like(stats) for _ in range(world)]
         dist.all_gather(gathered, stats.contiguous(), group=group)
         combined = combine_partials(torch.stack(gathered, dim=1))
         valid = labels != ignore_index
         logsumexp, logprob, entropy, _ = finalize(combined, valid, weight.shape[0] * world, False)
         ctx.save_for_backward(hidden, weight, local_labels, logsumexp, entropy, valid)
-        ctx.temperature, ctx.group, ctx.backend = temperature, group, backend
+        ctx.temperature, ctx.group, ctx.backend, ctx.workspace = temperature, group, backend, workspace
         ctx.mark_non_differentiable(logsumexp)
         return logprob, entropy, logsumexp
 
@@ -87,8 +90,11 @@ class VocabParallelLogprobEntropyFunction(torch.autograd.Function):
         g = zero if g_logprob is None else torch.where(valid, g_logprob.float(), zero)
         e = zero if g_entropy is None else torch.where(valid, g_entropy.float(), zero)
         dh, dw, _ = ctx.backend.grad_backward(
-            hidden, weight, None, local_labels, ctx.temperature, logsumexp, entropy, g, e
+            hidden, weight, None, local_labels, ctx.temperature, logsumexp, entropy, g, e,
+            workspace=ctx.workspace, need_dw=ctx.needs_input_grad[1],
         )
+        # every rank must join the all-reduce, so dh is formed even when hidden needs no gradient
         dh32 = dh.float()
         dist.all_reduce(dh32, group=ctx.group)
-        return dh32.to(hidden.dtype), dw, None, None, None, None, None
+        return (dh32.to(hidden.dtype) if ctx.needs_input_grad[0] else None, dw,
+                None, None, None, None, None, None)

@@ -1,24 +1,36 @@
 """Plain-PyTorch twin of the fused vocabulary kernel: same statistics, same results, any device.
 
-The logits are computed chunk by chunk (chunk_n tokens × chunk_v vocabulary columns, fp32) and folded
-into the streaming statistics of ``_stats``; the backward recomputes each chunk. Peak extra memory is
-O(chunk_n·chunk_v + N) beyond the inputs and the gradient buffers (plus an fp32 [N, D] accumulator for
-dh and a [chunk_v, D] one for dW when the inputs are fp16/bf16).
+Forward: the logits are computed chunk by chunk (chunk_n tokens × chunk_v vocabulary columns, fp32)
+and folded into the streaming statistics of ``_stats``; a handful of chunk-sized fp32 buffers are
+alive at once, at most ``CHUNK_ELEMENTS`` elements each (and within the workspace budget).
+
+Backward: the GEMM-shaped design of ``_workspace.gemm_backward``, as in the Triton path: token
+chunks of R rows, dZ [R, V] in the input dtype, then dH = dZ·W and dW += dZᵀ·H as matmuls. Where
+the Triton kernel keeps each logits tile in registers, the twin needs fp32 scratch; it gives half
+the budget to the dZ buffer and half to the scratch (fp32 logits of R rows × a column slab, and the
+slab of W in fp32), so its peak stays within the same budget.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from fastcov.kernels._stats import combine_partials, dz_from_upstream
+from fastcov.kernels._workspace import chunk_rows, gemm_backward, workspace_bytes
 
-# About 1M fp32 elements per logits chunk: 4 MB, a handful of which are alive at once.
+# About 1M fp32 elements per forward logits chunk: 4 MB, a handful of which are alive at once.
 CHUNK_ELEMENTS = 1 << 20
 MAX_CHUNK_V = 4096
+# fp32 buffers of a forward chunk alive at once (z, e, e2, the products), for the budget
+FORWARD_LIVE_BUFFERS = 6
 
 
-def chunk_sizes(n: int, v: int, chunk_elements: int = CHUNK_ELEMENTS) -> tuple[int, int]:
-    chunk_v = max(1, min(v, MAX_CHUNK_V))
+def chunk_sizes(n: int, v: int, chunk_elements: int = CHUNK_ELEMENTS,
+                max_chunk_v: int = MAX_CHUNK_V) -> tuple[int, int]:
+    """(chunk_n, chunk_v) of the forward: chunk_n·chunk_v ≤ chunk_elements (at least one row)."""
+    chunk_v = max(1, min(v, max_chunk_v))
     chunk_n = max(1, min(n, chunk_elements // chunk_v))
     return chunk_n, chunk_v
 
@@ -31,15 +43,21 @@ def _tempered_logits(h, w, b, inv_temp):
     return z.mul_(inv_temp)
 
 
-def stats_forward(hidden, weight, bias, labels, temperature, topk, chunk_elements=CHUNK_ELEMENTS):
+def stats_forward(hidden, weight, bias, labels, temperature, topk, want_cov=True, workspace=None,
+                  chunk_elements: Optional[int] = None, max_chunk_v: int = MAX_CHUNK_V):
     """Streaming statistics over the vocabulary.
 
     hidden [N, D], weight [V, D], bias [V] or None, labels [N] int64. Returns the combined stats
-    [6, N] fp32 (see ``_stats.STAT_NAMES``) and, when topk > 0, (values [N, k] fp32 logits z,
-    indices [N, k] int64), else (None, None).
+    [6, N] fp32 (see ``_stats.STAT_NAMES``; s2 and u2 are zero unless ``want_cov``) and, when
+    topk > 0, (values [N, k] fp32 logits z, indices [N, k] int64), else (None, None).
+    ``workspace``: budget in bytes (default: ``workspace_bytes()``); ``chunk_elements`` overrides
+    the chunk size (tests).
     """
     n, v = hidden.shape[0], weight.shape[0]
-    chunk_n, chunk_v = chunk_sizes(n, v, chunk_elements)
+    if chunk_elements is None:
+        budget = workspace or workspace_bytes()
+        chunk_elements = max(1, min(CHUNK_ELEMENTS, budget // (4 * FORWARD_LIVE_BUFFERS)))
+    chunk_n, chunk_v = chunk_sizes(n, v, chunk_elements, max_chunk_v)
     inv_temp = 1.0 / temperature
     stats = torch.empty(6, n, dtype=torch.float32, device=hidden.device)
     top_values = top_indices = None
@@ -67,9 +85,14 @@ def stats_forward(hidden, weight, bias, labels, temperature, topk, chunk_element
             zc = z.sub_(m[:, None])  # in place: a handful of chunk-sized buffers alive at most
             e = torch.exp(zc)
             s_, u_ = e.sum(1), torch.mul(e, zc).sum(1)
-            e2 = e.mul_(e)
-            part = torch.stack((m, s_, u_, e2.sum(1), torch.mul(e2, zc).sum(1), zy))
-            del zc, z, e, e2
+            if want_cov:
+                e2 = e.mul_(e)
+                s2_, u2_ = e2.sum(1), torch.mul(e2, zc).sum(1)
+                del e2
+            else:
+                s2_ = u2_ = torch.zeros_like(s_)
+            part = torch.stack((m, s_, u_, s2_, u2_, zy))
+            del zc, z, e
             running = part if running is None else combine_partials(torch.stack((running, part), 1))
             # keep the top-k candidate set small: fold as soon as it exceeds a few k
             if topk and sum(t.shape[1] for t in cand_v) > 4 * topk:
@@ -83,41 +106,35 @@ def stats_forward(hidden, weight, bias, labels, temperature, topk, chunk_element
     return stats, (top_values, top_indices)
 
 
-def grad_backward(
-    hidden, weight, bias, labels, temperature, logsumexp, entropy, g, e,
-    chunk_elements=CHUNK_ELEMENTS,
-):
-    """Gradients of Σ g·logprob + e·entropy w.r.t. hidden, weight and bias (None when bias is None).
+def backward_chunks(n: int, v: int, d: int, itemsize: int, budget: int, has_bias: bool) -> tuple[int, int]:
+    """(rows, scratch columns) of the twin's backward: the dZ buffer gets half the budget, the fp32
+    scratch (three [rows, cols] buffers and the [cols, D] slab of W) the other half."""
+    rows = chunk_rows(n, v, itemsize, budget // 2, has_bias)
+    cols = (budget // 2) // (4 * (3 * rows + d))
+    return rows, max(1, min(v, cols))
+
+
+def grad_backward(hidden, weight, bias, labels, temperature, logsumexp, entropy, g, e, workspace=None,
+                  need_dh=True, need_dw=True):
+    """Gradients of Σ g·logprob + e·entropy w.r.t. hidden, weight and bias, in their dtypes
+    (None for bias when bias is None, and for what ``need_dh``/``need_dw`` turn off).
 
     g, e: [N] fp32, zero on ignored rows. logsumexp, entropy: [N] fp32 from the forward.
-    Recomputes every chunk; dh accumulates in fp32 over vocabulary chunks, dW in fp32 over token chunks.
+    ``workspace``: budget in bytes for dZ plus scratch (default: ``workspace_bytes()``).
     """
     n, d = hidden.shape
     v = weight.shape[0]
-    chunk_n, chunk_v = chunk_sizes(n, v, chunk_elements)
+    budget = workspace or workspace_bytes()
+    rows, cols = backward_chunks(n, v, d, hidden.element_size(), budget, bias is not None)
     inv_temp = 1.0 / temperature
-    fp32 = hidden.dtype == torch.float32
-    dh = torch.zeros(n, d, dtype=torch.float32, device=hidden.device)
-    dw = torch.empty_like(weight)
-    db = None if bias is None else torch.empty_like(bias)
-    for c0 in range(0, v, chunk_v):
-        c1 = min(v, c0 + chunk_v)
-        w = weight[c0:c1]
-        w32 = w.float()
-        dw_acc = torch.zeros(c1 - c0, d, dtype=torch.float32, device=hidden.device)
-        db_acc = None if bias is None else torch.zeros(c1 - c0, dtype=torch.float32, device=hidden.device)
-        for r0 in range(0, n, chunk_n):
-            rows = slice(r0, min(n, r0 + chunk_n))
-            h32 = hidden[rows].float()
-            z = _tempered_logits(h32, w32, None if bias is None else bias[c0:c1], inv_temp)
-            dz = dz_from_upstream(z, logsumexp[rows], entropy[rows], labels[rows] - c0, g[rows], e[rows])
-            dz.mul_(inv_temp)
-            dh[rows].addmm_(dz, w32)
-            dw_acc.addmm_(dz.T, h32)
-            if db_acc is not None:
-                db_acc += dz.sum(0)
-            del dz
-        dw[c0:c1] = dw_acc if fp32 else dw_acc.to(weight.dtype)
-        if db is not None:
-            db[c0:c1] = db_acc.to(bias.dtype)
-    return dh.to(hidden.dtype), dw, db
+
+    def fill_dz(r0, r1, dz):
+        h32 = hidden[r0:r1].float()
+        for c0 in range(0, v, cols):
+            c1 = min(v, c0 + cols)
+            z = _tempered_logits(h32, weight[c0:c1], None if bias is None else bias[c0:c1], inv_temp)
+            grad = dz_from_upstream(z, logsumexp[r0:r1], entropy[r0:r1], labels[r0:r1] - c0, g[r0:r1], e[r0:r1])
+            dz[:, c0:c1].copy_(grad.mul_(inv_temp))
+            del z, grad
+
+    return gemm_backward(hidden, weight, bias, fill_dz, rows, need_dh, need_dw)
