@@ -1,29 +1,48 @@
-"""Atomic checkpoints: ``<run>/checkpoints/step_000010/`` appears only when complete.
+"""Atomic checkpoints: ``<run>/checkpoints/step_000010/`` appears only when complete and on disk.
 
 Layout of one checkpoint::
 
     step_000010/
         ds/...                 DeepSpeed: model, optimizer (ZeRO partitions, one file set per rank)
         trainer_state.json     step, data position, counters, lambda schedule, written by rank 0
-        rng_rank{r}.pt         python / numpy / torch / sampling and selection generator states, per rank
+        rng_rank{r}.pt         python / numpy / torch / sampling and selection generator states, per rank,
+                               as tensors and plain values only (read back with ``weights_only=True``)
 
-Everything is written into ``.tmp_step_000010`` first; rank 0 renames it once all ranks are done, then
-deletes all but the newest ``keep_last``. A crash mid-save leaves the previous checkpoints untouched.
+Saving is two collective phases so that the trainer can make its metrics durable in between:
+
+1. ``write_checkpoint``: everything goes into ``.tmp_step_000010`` and is fsynced (files and folders);
+2. ``publish_checkpoint``: rank 0 renames it to ``step_000010``, fsyncs ``checkpoints/``, then retires all
+   but the newest ``keep_last`` (renamed to ``.del_*`` first, so a crash mid-delete never leaves a
+   half-deleted directory under a checkpoint's name).
+
+A crash at any moment leaves the previous checkpoints untouched; leftovers (``.tmp_*``, ``.del_*``) are
+removed by the next save. Every file of a checkpoint is untrusted input when it is read back: JSON is
+parsed as data, ``.pt`` files are loaded with ``weights_only=True`` (DeepSpeed's files included), and a
+damaged or incomplete checkpoint raises ``CheckpointError`` naming the file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import random
 import re
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from fastcov.cli import UserError
+
 _STEP_RE = re.compile(r"^step_(\d{6,})$")
+
+
+class CheckpointError(UserError):
+    """A checkpoint (or the run directory it belongs to) that cannot be used; the message names the path."""
 
 
 def step_dir_name(step: int) -> str:
@@ -32,9 +51,11 @@ def step_dir_name(step: int) -> str:
 
 def list_checkpoints(ckpt_root: Path) -> list[Path]:
     """Complete checkpoints under ``ckpt_root``, oldest first."""
+    ckpt_root = Path(ckpt_root)
     if not ckpt_root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in ckpt_root.iterdir() if p.is_dir() and (m := _STEP_RE.match(p.name))]
+    found = [(int(m.group(1)), p) for p in ckpt_root.iterdir()
+             if p.is_dir() and (m := _STEP_RE.match(p.name)) and (p / "trainer_state.json").is_file()]
     return [p for _, p in sorted(found)]
 
 
@@ -43,70 +64,289 @@ def latest_checkpoint(ckpt_root: Path) -> Path | None:
     return cks[-1] if cks else None
 
 
+# --------------------------------------------------------------------------------------------- durability
+
+def fsync_path(path: Path) -> None:
+    """fsync one file or directory (directories: their entries, i.e. renames and creations in them)."""
+    fd = os.open(str(path), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file and directory under ``root`` (and ``root`` itself), deepest first."""
+    for dirpath, _dirnames, filenames in os.walk(root, topdown=False):
+        for name in filenames:
+            p = Path(dirpath) / name
+            if not p.is_symlink():
+                fsync_path(p)
+        fsync_path(Path(dirpath))
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Replace ``path`` by ``data`` all at once: temp file, fsync, rename, fsync the folder."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_path(path.parent)
+
+
+# --------------------------------------------------------------------------------------------- RNG state
+
 def rng_state(generators: dict[str, torch.Generator]) -> dict[str, Any]:
+    """All RNG states as tensors and plain values (loadable with ``torch.load(weights_only=True)``)."""
+    version, mt, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
     state = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "python": {"version": int(version), "state": torch.tensor(mt, dtype=torch.int64),
+                   "gauss": None if gauss is None else float(gauss)},
+        "numpy": {"name": str(name), "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64).copy()),
+                  "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)},
         "torch": torch.get_rng_state(),
         "generators": {k: g.get_state() for k, g in generators.items()},
     }
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = list(torch.cuda.get_rng_state_all())
     return state
 
 
 def set_rng_state(state: dict[str, Any], generators: dict[str, torch.Generator]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    py, npy = state["python"], state["numpy"]
+    random.setstate((py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss"]))
+    np.random.set_state((npy["name"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"],
+                         npy["cached"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
     for k, g in generators.items():
         if k not in state["generators"]:
-            raise KeyError(f"resume: the checkpoint has no state for the {k!r} generator")
+            raise CheckpointError(f"resume: the checkpoint has no state for the {k!r} generator")
         g.set_state(state["generators"][k])
 
 
-def save_checkpoint(ckpt_root: Path, step: int, policy_engine, trainer_state: dict[str, Any],
-                    generators: dict[str, torch.Generator], rank: int, keep_last: int) -> Path:
-    """Collective: every rank calls it. Returns the final checkpoint directory."""
+# --------------------------------------------------------------------------------------------- saving
+
+def _remove_leftovers(ckpt_root: Path) -> None:
+    for p in ckpt_root.iterdir():
+        if p.is_dir() and p.name.startswith((".tmp_step_", ".del_step_")):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def write_checkpoint(ckpt_root: Path, step: int, policy_engine, trainer_state: dict[str, Any],
+                     generators: dict[str, torch.Generator], rank: int) -> Path:
+    """Phase 1 (collective): write and fsync the checkpoint into ``.tmp_step_XXXXXX``; returns that path."""
     import torch.distributed as dist
 
-    final = ckpt_root / step_dir_name(step)
-    tmp = ckpt_root / f".tmp_{step_dir_name(step)}"
+    tmp = Path(ckpt_root) / f".tmp_{step_dir_name(step)}"
     if rank == 0:
         ckpt_root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        _remove_leftovers(ckpt_root)
         tmp.mkdir()
     dist.barrier()
     policy_engine.save(str(tmp))
     torch.save(rng_state(generators), tmp / f"rng_rank{rank}.pt")
-    if rank == 0:
-        with open(tmp / "trainer_state.json", "w") as f:
-            json.dump(trainer_state, f, indent=1)
     dist.barrier()
+    if rank == 0:  # written last: its presence marks a checkpoint complete (list_checkpoints)
+        with open(tmp / "trainer_state.json", "wb") as f:
+            f.write(json.dumps(trainer_state, indent=1).encode())
+            f.flush()
+            os.fsync(f.fileno())
+    fsync_tree(tmp)  # each rank its own files (and, harmlessly, the others')
+    dist.barrier()
+    return tmp
+
+
+def publish_checkpoint(tmp: Path, keep_last: int, rank: int) -> Path:
+    """Phase 2 (collective): rename ``tmp`` to its final name, make the rename durable, retire old ones."""
+    import torch.distributed as dist
+
+    tmp = Path(tmp)
+    final = tmp.with_name(tmp.name[len(".tmp_"):])
     if rank == 0:
-        if final.exists():
-            shutil.rmtree(final)
+        root = tmp.parent
+        old = None
+        if final.exists():  # a step saved again after resuming from an older checkpoint
+            old = root / f".del_{final.name}"
+            if old.exists():
+                shutil.rmtree(old)
+            final.rename(old)
         tmp.rename(final)
-        for old in list_checkpoints(ckpt_root)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+        fsync_path(root)
+        retired = [old] if old is not None else []
+        for p in list_checkpoints(root)[:-keep_last]:
+            dead = root / f".del_{p.name}"
+            p.rename(dead)
+            retired.append(dead)
+        if retired:
+            fsync_path(root)
+        for p in retired:
+            shutil.rmtree(p, ignore_errors=True)
     dist.barrier()
     return final
+
+
+def save_checkpoint(ckpt_root: Path, step: int, policy_engine, trainer_state: dict[str, Any],
+                    generators: dict[str, torch.Generator], rank: int, keep_last: int) -> Path:
+    """Collective: every rank calls it. Both phases in one; returns the final checkpoint directory."""
+    tmp = write_checkpoint(ckpt_root, step, policy_engine, trainer_state, generators, rank)
+    return publish_checkpoint(tmp, keep_last, rank)
+
+
+# --------------------------------------------------------------------------------------------- loading
+
+def read_trainer_state(path: Path) -> dict[str, Any]:
+    """``trainer_state.json`` of a checkpoint, checked; raises CheckpointError naming what is wrong."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"--resume: {str(path)!r} does not exist; give a checkpoint directory "
+                              "(<run_dir>/checkpoints/step_XXXXXX) or --resume alone for the newest")
+    if not path.is_dir():
+        raise CheckpointError(f"--resume: {str(path)!r} is not a checkpoint directory")
+    state_file = path / "trainer_state.json"
+    if not state_file.is_file():
+        raise CheckpointError(f"--resume: {str(path)!r} is not a complete checkpoint (no trainer_state.json)")
+    try:
+        state = json.loads(state_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise CheckpointError(f"--resume: {str(state_file)!r} is damaged ({type(exc).__name__}); "
+                              "resume from an older checkpoint") from None
+    need = {"step": int, "sampler": dict, "counters": dict}
+    if not isinstance(state, dict) or any(not isinstance(state.get(k), t) for k, t in need.items()) \
+            or isinstance(state["step"], bool) or state["step"] < 0:
+        raise CheckpointError(f"--resume: {str(state_file)!r} lacks a valid step/sampler/counters; "
+                              "resume from an older checkpoint")
+    return state
+
+
+def _read_rng(rng_file: Path) -> dict[str, Any]:
+    if not rng_file.is_file():
+        raise CheckpointError(f"--resume: {str(rng_file)!r} missing (was the run saved with another world size?)")
+    try:
+        state = torch.load(rng_file, map_location="cpu", weights_only=True)
+        if not isinstance(state, dict) or not {"python", "numpy", "torch", "generators"} <= set(state):
+            raise ValueError("missing keys")
+        return state
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is the same user-facing problem
+        raise CheckpointError(f"--resume: {str(rng_file)!r} is damaged or not a fastcov RNG file "
+                              f"({type(exc).__name__}); resume from an older checkpoint") from None
+
+
+def check_checkpoint(path: Path, rank: int = 0) -> dict[str, Any]:
+    """Cheap checks before anything is written: trainer state and this rank's RNG file read back."""
+    state = read_trainer_state(path)
+    _read_rng(Path(path) / f"rng_rank{rank}.pt")
+    return state
+
+
+@contextlib.contextmanager
+def _weights_only_loads(policy_engine):
+    """DeepSpeed reads its files with ``weights_only=False``; route them through ``weights_only=True``."""
+    ce = getattr(getattr(policy_engine, "engine", None), "checkpoint_engine", None)
+    if ce is None or not hasattr(ce, "load"):
+        yield
+        return
+
+    def load(path, map_location=None):
+        return torch.load(path, map_location=map_location, weights_only=True)
+
+    ce.load = load
+    try:
+        yield
+    finally:
+        with contextlib.suppress(AttributeError):
+            del ce.load  # back to the class's method
 
 
 def load_checkpoint(path: Path, policy_engine, generators: dict[str, torch.Generator],
                     rank: int) -> dict[str, Any]:
     """Restore model + optimizer (DeepSpeed), RNG states; return the trainer state dict."""
     path = Path(path)
-    state_file = path / "trainer_state.json"
-    if not state_file.is_file():
-        raise FileNotFoundError(f"resume: {str(path)!r} is not a complete checkpoint (no trainer_state.json)")
-    policy_engine.load(str(path))
-    rng_file = path / f"rng_rank{rank}.pt"
-    if not rng_file.is_file():
-        raise FileNotFoundError(f"resume: {str(rng_file)!r} missing (was the run saved with another world size?)")
-    set_rng_state(torch.load(rng_file, weights_only=False), generators)
-    with open(state_file) as f:
-        return json.load(f)
+    state = read_trainer_state(path)
+    rng = _read_rng(path / f"rng_rank{rank}.pt")
+    try:
+        with _weights_only_loads(policy_engine):
+            policy_engine.load(str(path))
+    except CheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - DeepSpeed raises many kinds on a damaged file
+        raise CheckpointError(f"--resume: the model/optimizer files under {str(path / 'ds')!r} cannot be "
+                              f"loaded ({type(exc).__name__}: {str(exc)[:200]}); resume from an older "
+                              "checkpoint") from None
+    try:
+        set_rng_state(rng, generators)
+    except CheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise CheckpointError(f"--resume: {str(path / f'rng_rank{rank}.pt')!r} holds no usable RNG state "
+                              f"({type(exc).__name__})") from None
+    return state
+
+
+# --------------------------------------------------------------------------------------------- metrics
+
+def trim_metrics(path: Path, last_step: int) -> dict[str, int]:
+    """Make ``metrics.jsonl`` end at ``last_step`` for a resume, whatever a crash left in it.
+
+    Drops a torn last line (no newline, or not JSON: the process died mid-write) and every row after
+    ``last_step``; a row for a step already seen is dropped too, so each step has exactly one row.
+    A damaged line that is not the last one is not a crash's doing: ``CheckpointError`` names its line.
+    The file is replaced atomically. Returns counts {"kept", "dropped", "torn"}.
+    """
+    path = Path(path)
+    if not path.exists():
+        return {"kept": 0, "dropped": 0, "torn": 0}
+    raw = path.read_bytes()
+    lines = raw.split(b"\n")
+    torn = 0
+    if lines and lines[-1] == b"":
+        lines.pop()  # the file ends with a newline
+    elif lines:
+        lines.pop()  # no newline after the last line: it was cut short
+        torn = 1
+    keep: list[bytes] = []
+    seen: set[int] = set()
+    dropped = 0
+    for i, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            step = row["step"]
+            if not isinstance(step, int) or isinstance(step, bool):
+                raise TypeError
+        except (ValueError, KeyError, TypeError):
+            if i == len(lines):  # the last line, newline included but bytes lost: torn too
+                torn += 1
+                continue
+            raise CheckpointError(f"{str(path)}:{i}: not a metrics row (damaged file); fix or remove the "
+                                  "line, then resume") from None
+        if step > last_step or step in seen:
+            dropped += 1
+            continue
+        seen.add(step)
+        keep.append(line)
+    new = b"".join(ln + b"\n" for ln in keep)
+    if new != raw:
+        write_atomic(path, new)
+    return {"kept": len(keep), "dropped": dropped, "torn": torn}
+
+
+def move_aside(run_dir: Path) -> Path:
+    """Rename a run directory to ``<name>.old-YYYYmmdd-HHMMSS[-N]`` next to it; returns the new path."""
+    run_dir = Path(run_dir)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    target = run_dir.with_name(f"{run_dir.name}.old-{stamp}")
+    n = 1
+    while target.exists():
+        n += 1
+        target = run_dir.with_name(f"{run_dir.name}.old-{stamp}-{n}")
+    run_dir.rename(target)
+    fsync_path(run_dir.parent)
+    return target
+

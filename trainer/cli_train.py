@@ -15,6 +15,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="dotted overrides, values parsed as YAML (algo.mode=clip_cov optim.lr=1e-5)")
     parser.add_argument("--resume", nargs="?", const=True, default=False, metavar="CHECKPOINT",
                         help="resume from the newest checkpoint of the run (or the given checkpoint directory)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="trainer.run_dir already holds a run: move it aside (<run_dir>.old-<time>) and start "
+                             "afresh (nothing is deleted)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     # The deepspeed launcher appends --local_rank=N; LOCAL_RANK in the environment is what counts.
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -38,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     from fastcov.trainer.train import RolloutError, train
 
     try:
-        train(cfg, resume=args.resume)
+        train(cfg, resume=args.resume, overwrite=args.overwrite)
     except RolloutError as exc:
         print(f"fastcov train: {exc}", file=sys.stderr)
         return 1

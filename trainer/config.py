@@ -97,6 +97,8 @@ class RewardConfig:
     # process: math-verify runs in a worker process that is killed after timeout_s (a hard limit);
     # inline: math-verify's own signal-based limit in the calling thread (faster, softer).
     sandbox: Literal["process", "inline"] = "process"
+    # Size of the math-verify worker pool (process sandbox); 0: min(4, CPU count).
+    workers: int = 0
 
 
 @dataclass
@@ -334,6 +336,7 @@ def validate(cfg: Config) -> Config:
     _check(not (r.vllm_server_urls and (r.engine != "vllm" or r.vllm_mode != "server")),
            "rollout.vllm_server_urls", "only used with rollout.engine=vllm and rollout.vllm_mode=server")
     _check(cfg.reward.timeout_s > 0, "reward.timeout_s", "must be > 0")
+    _check(cfg.reward.workers >= 0, "reward.workers", f"must be >= 0 (0 = automatic), got {cfg.reward.workers}")
     # clip_low = 1 opens the lower clip (ratio >= 0 always), as the paper's Clip-Cov runs do
     _check(0 <= a.clip_low <= 1, "algo.clip_low", f"must be in [0, 1], got {a.clip_low}")
     _check(a.clip_high >= 0, "algo.clip_high", "must be >= 0")

@@ -2,16 +2,30 @@
 
 Parquet columns (verl's): ``prompt`` — a list of chat messages ``{"role", "content"}``;
 ``reward_model`` — a struct with ``ground_truth``; ``data_source`` — a string (used to pick the evaluation
-temperature). Other columns are ignored.
+temperature). Other columns are ignored. A ``.jsonl`` file with the same fields, one object per line, is
+read too. Files are untrusted input: a missing file, a file that is not parquet/JSON lines, a missing
+column or a bad value raises ``DataError`` naming the file, the column and the row (0-based, as pandas
+counts; JSONL: the 1-based line).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from fastcov.cli import UserError
+
+
+class DataError(UserError, ValueError):
+    """A data file that cannot be used; the message names the file, and the column and row when it can."""
+
+
+class DataFileNotFound(UserError, FileNotFoundError):
+    """A data file that does not exist."""
 
 
 @dataclass
@@ -28,20 +42,22 @@ class Example:
 def _messages(value: Any, where: str) -> list[dict[str, str]]:
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
+    if value is None:
+        raise DataError(f"{where}: column 'prompt' is null; give a list of {{role, content}} messages")
     try:
         msgs = [{"role": str(m["role"]), "content": str(m["content"])} for m in value]
-    except (TypeError, KeyError) as exc:
-        raise ValueError(f"{where}: 'prompt' must be a list of {{role, content}} messages") from exc
+    except (TypeError, KeyError, IndexError):
+        raise DataError(f"{where}: column 'prompt' must be a list of {{role, content}} messages") from None
     if not msgs:
-        raise ValueError(f"{where}: empty 'prompt'")
+        raise DataError(f"{where}: column 'prompt' is empty")
     return msgs
 
 
 def _ground_truth(value: Any, where: str) -> str:
-    if isinstance(value, dict) and "ground_truth" in value:
+    if isinstance(value, dict) and value.get("ground_truth") is not None:
         gt = value["ground_truth"]
     else:
-        raise ValueError(f"{where}: 'reward_model' must be a struct with a 'ground_truth' field")
+        raise DataError(f"{where}: column 'reward_model' must be a struct with a non-null 'ground_truth' field")
     if hasattr(gt, "tolist"):
         gt = gt.tolist()
     if isinstance(gt, (list, tuple)):
@@ -49,22 +65,65 @@ def _ground_truth(value: Any, where: str) -> str:
     return str(gt)
 
 
-def read_parquet(path: str | Path) -> list[dict[str, Any]]:
-    """Rows of a verl-style parquet file as ``{"messages", "ground_truth", "data_source"}``."""
+REQUIRED_COLUMNS = ("prompt", "reward_model")
+
+
+def _read_jsonl(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    rows = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise DataError(f"{path} line {lineno}: not valid JSON ({exc.msg})") from None
+                if not isinstance(row, dict):
+                    raise DataError(f"{path} line {lineno}: expected a JSON object, got {type(row).__name__}")
+                where = f"{path} line {lineno}"
+                for col in REQUIRED_COLUMNS:
+                    if col not in row:
+                        raise DataError(f"{where}: missing column {col!r}")
+                rows.append((where, row))
+    except UnicodeDecodeError:
+        raise DataError(f"{path}: not a UTF-8 JSON-lines file") from None
+    return rows
+
+
+def _read_table(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"data file {str(path)!r} does not exist")
-    table = pq.read_table(path)
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        raise DataError(f"{path}: not a readable parquet file ({type(exc).__name__}); give verl-style "
+                        "parquet or .jsonl") from None
     cols = set(table.column_names)
-    for required in ("prompt", "reward_model"):
+    for required in REQUIRED_COLUMNS:
         if required not in cols:
-            raise ValueError(f"{path}: missing column {required!r} (have {sorted(cols)})")
-    rows = table.to_pylist()
+            raise DataError(f"{path}: missing column {required!r} (have {', '.join(sorted(cols)) or 'none'})")
+    return [(f"{path} row {i}", row) for i, row in enumerate(table.to_pylist())]
+
+
+def read_parquet(path: str | Path) -> list[dict[str, Any]]:
+    """Rows of a verl-style parquet (or ``.jsonl``) file as ``{"messages", "ground_truth", "data_source"}``.
+
+    Raises DataFileNotFound / DataError naming the file, column and row.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise DataFileNotFound(f"data file {str(path)!r} does not exist")
+    if not path.is_file():
+        raise DataError(f"data file {str(path)!r} is not a file")
+    if not os.access(path, os.R_OK):
+        raise DataError(f"data file {str(path)!r} is not readable (permissions)")
+    raw = _read_jsonl(path) if path.suffix.lower() in (".jsonl", ".json") else _read_table(path)
+    if not raw:
+        raise DataError(f"{path}: no rows; give a file with at least one prompt")
     out = []
-    for i, row in enumerate(rows):
-        where = f"{path} row {i}"
+    for where, row in raw:
         out.append({
             "messages": _messages(row["prompt"], where),
             "ground_truth": _ground_truth(row["reward_model"], where),
@@ -151,7 +210,7 @@ class PromptSampler:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         if state["n"] != self.n:
-            raise ValueError(f"resume: the training set has {self.n} prompts, the checkpoint had {state['n']}")
+            raise DataError(f"resume: the training set has {self.n} prompts, the checkpoint had {state['n']}")
         self.seed = state["seed"]
         self.epoch = state["epoch"]
         self.pos = state["pos"]
@@ -193,5 +252,6 @@ def load_train_val(cfg, tokenizer, train_files: list[str], val_files: list[str])
     if d.max_val_prompts and len(val) > d.max_val_prompts:
         val = val[: d.max_val_prompts]
     if not train:
-        raise ValueError(f"data.train_files: no usable training prompts in {train_files} ({tstats})")
+        raise DataError(f"data.train_files: no usable training prompts in {train_files} ({tstats}); "
+                        "check data.max_prompt_len and that the training and validation files differ")
     return train, val, {"train": tstats, "val": vstats}

@@ -31,11 +31,14 @@ import numpy as np
 import torch
 
 from fastcov.advantages import dapo_filter, get_advantage
+from fastcov.cli import one_line
 from fastcov.losses import LossConfig, Selection, compute_global_selection, get_policy_loss, policy_loss
 from fastcov.schedules import PositiveWeightSchedule
 from fastcov.trainer.batch import MicroBatch, Sequence, micro_batches, sequence_tensors
-from fastcov.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from fastcov.trainer.config import Config, save_config
+from fastcov.trainer.checkpoint import (CheckpointError, check_checkpoint, fsync_path, fsync_tree,
+                                       latest_checkpoint, load_checkpoint, move_aside, publish_checkpoint,
+                                       trim_metrics, write_checkpoint)
+from fastcov.trainer.config import Config, ConfigError, save_config
 from fastcov.trainer.data import PromptSampler, load_train_val, prepare_data
 from fastcov.trainer.engine import PolicyEngine, init_distributed, lr_at, pick_device
 from fastcov.trainer.metrics import MetricsLogger
@@ -52,6 +55,79 @@ SAMPLED_EVAL_SOURCES = ("aime", "aime25", "amc")  # evaluated at eval_temperatur
 
 class RolloutError(RuntimeError):
     pass
+
+
+# A run directory holding nothing but these can be trained into afresh (data/: the synthetic task,
+# which a run only writes when missing and regenerates identically).
+REGENERABLE = {"data"}
+
+
+def check_run_dir(run_dir: Path, resume, overwrite: bool, rank: int) -> Path | None:
+    """What a run may do with ``run_dir``, decided before anything is written (every rank calls it).
+
+    Fresh run: the directory must be absent or hold no earlier run, unless ``overwrite`` (the old one
+    is then moved aside, never deleted: ``prepare_run_dir``). ``resume``: True for the newest checkpoint,
+    or a checkpoint directory; it must exist and read back. Returns the checkpoint to resume from.
+    Raises CheckpointError / ConfigError (user errors, one line each).
+    """
+    if resume and overwrite:
+        raise ConfigError("--resume and --overwrite exclude each other: resume continues the run in "
+                          "trainer.run_dir, overwrite moves it aside and starts afresh")
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"trainer.run_dir: {str(run_dir)!r} is a file; choose a directory")
+    if resume:
+        ckpt_root = run_dir / "checkpoints"
+        path = latest_checkpoint(ckpt_root) if resume is True else Path(resume)
+        if path is None:
+            raise CheckpointError(f"--resume: no checkpoint under {str(ckpt_root)!r}; start the run without "
+                                  "--resume (add --overwrite if the directory is not empty)")
+        check_checkpoint(path, rank)
+        return path
+    if run_dir.is_dir() and not overwrite:
+        held = sorted(p.name for p in run_dir.iterdir() if p.name not in REGENERABLE)
+        if held:
+            raise CheckpointError(f"trainer.run_dir: {str(run_dir)!r} already holds a run ({', '.join(held[:3])}"
+                                  f"{', ...' if len(held) > 3 else ''}); continue it with --resume, move it "
+                                  "aside with --overwrite, or choose another trainer.run_dir")
+    return None
+
+
+def prepare_run_dir(run_dir: Path, overwrite: bool) -> Path | None:
+    """Rank 0: move an existing run aside (``--overwrite``), create the directory. Returns where the
+    old run went, if anywhere."""
+    moved = None
+    if overwrite and run_dir.is_dir() and any(p.name not in REGENERABLE for p in run_dir.iterdir()):
+        moved = move_aside(run_dir)
+        print(f"[fastcov] --overwrite: the previous run in {run_dir} was moved to {moved}", flush=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return moved
+
+
+def check_model_source(mcfg) -> None:
+    """A local model/tokenizer path that cannot be a Hugging Face directory stops here, before any
+    download or write. Hub ids (``org/name`` that is not a local path) are left to transformers."""
+    for key, value in (("model.path", mcfg.path), ("model.tokenizer", mcfg.tokenizer)):
+        if value is None or value.startswith("builtin:"):
+            continue
+        p = Path(value).expanduser()
+        local = p.exists() or value.startswith((".", "/", "~")) or value.count("/") != 1
+        if not local:
+            continue
+        if not p.exists():
+            raise ConfigError(f"{key}: {value!r} does not exist; give a Hugging Face model directory or hub id")
+        if not p.is_dir():
+            raise ConfigError(f"{key}: {value!r} is a file; give the model's directory (with config.json)")
+        if key == "model.path" and not (p / "config.json").is_file():
+            raise ConfigError(f"{key}: {value!r} is not a Hugging Face model directory (no config.json)")
+
+
+def _user_error(exc: ValueError) -> Exception:
+    """model.py / engine.py raise ValueError naming the config key for a bad model, tokenizer or device:
+    those are the user's to fix (one line on the CLI); anything else stays what it was."""
+    msg = str(exc)
+    if msg.startswith(("model.", "trainer.device")):
+        return ConfigError(msg.splitlines()[0][:500])
+    return exc
 
 
 def loss_config(a, pos_adv_weight: float) -> LossConfig:
@@ -300,8 +376,9 @@ def evaluate(rollout, val_set, reward_fn, tokenizer, cfg: Config, rank: int, wor
         prompts = [e.prompt_ids for e in exs for _ in range(reps)]
         out = rollout.generate(prompts, SamplingParams(temp, 1.0, max_new), gen)
         texts = tokenizer.batch_decode(out.token_ids, skip_special_tokens=True)
+        oks = reward_fn.check_batch(texts, [e.ground_truth for e in exs for _ in range(reps)])
         for i, e in enumerate(exs):
-            acc = sum(reward_fn.is_correct(texts[i * reps + j], e.ground_truth) for j in range(reps)) / reps
+            acc = sum(oks[i * reps : (i + 1) * reps]) / reps
             per_source[e.data_source][0] += acc
             per_source[e.data_source][1] += 1
     flat = all_sum([v for s in sources for v in per_source[s]], device)
@@ -343,45 +420,69 @@ class _StopFlag:
             signal.signal(signal.SIGINT, self._old)
 
 
-def train(cfg: Config, resume: bool | str = False, stop_at: int | None = None, on_end=None) -> Path:
+def train(cfg: Config, resume: bool | str = False, stop_at: int | None = None, on_end=None,
+          overwrite: bool = False) -> Path:
     """Run (or resume) training; returns the run directory.
 
-    ``resume``: True for the newest checkpoint of the run, or a checkpoint directory. ``stop_at``: save and
-    stop after that step, as Ctrl-C would. ``on_end(policy_engine, rollout_engine)`` is called on every
-    rank after the last step (inspection, e.g. by tests). However the run ends (an error included), its
-    metrics file, progress bar and reward worker process are closed.
+    ``resume``: True for the newest checkpoint of the run, or a checkpoint directory. A fresh run refuses
+    a ``trainer.run_dir`` that already holds a run unless ``overwrite``, which moves the old run aside
+    (``<run_dir>.old-<time>``); nothing is ever deleted. ``stop_at``: save and stop after that step, as
+    Ctrl-C would. ``on_end(policy_engine, rollout_engine)`` is called on every rank after the last step
+    (inspection, e.g. by tests). However the run ends (an error included), its metrics file, progress
+    bar and reward worker processes are closed.
+
+    Crash safety (docs/reliability.md): each step's metrics row is flushed and fsynced before the
+    checkpoint of that step is published (written to a temporary directory, fsynced, renamed), and a
+    resume trims metrics.jsonl back to the checkpoint (a torn last line included), so a run killed at any
+    moment and resumed ends with the same parameters and one metrics row per step.
     """
     with contextlib.ExitStack() as closing:
-        return _train(cfg, resume, stop_at, on_end, closing)
+        return _train(cfg, resume, stop_at, on_end, closing, overwrite)
 
 
-def _train(cfg: Config, resume, stop_at, on_end, closing: contextlib.ExitStack) -> Path:
+def _train(cfg: Config, resume, stop_at, on_end, closing: contextlib.ExitStack, overwrite: bool = False) -> Path:
     t, a, r = cfg.trainer, cfg.algo, cfg.rollout
     # ------------------------------------------------------------------ setup
-    device = pick_device(t.device)
+    # Everything a user can get wrong is checked before the first write: nothing on disk changes
+    # when a run stops with a user error (bad run dir, --resume target, model path, data file).
+    try:
+        device = pick_device(t.device)
+    except ValueError as exc:
+        raise _user_error(exc) from None
     rank, world = init_distributed(device)
     dist = _dist()
     if t.prompts_per_step % world:
-        raise ValueError(f"trainer.prompts_per_step: {t.prompts_per_step} is not divisible by the "
-                         f"{world} data-parallel ranks")
+        raise ConfigError(f"trainer.prompts_per_step: {t.prompts_per_step} is not divisible by the "
+                          f"{world} data-parallel ranks; pick a multiple of {world}")
     run_dir = Path(t.run_dir)
     ckpt_root = run_dir / "checkpoints"
-    if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, run_dir / "config.yaml")
-    dist.barrier()
+    resume_path = check_run_dir(run_dir, resume, overwrite, rank)
+    check_model_source(cfg.model)
+    dist.barrier()  # every rank has checked before rank 0 moves or writes anything
 
     seed_everything(t.seed)  # identical model init on every rank
-    tokenizer = load_tokenizer(cfg.model)
-    train_files, val_files = prepare_data(cfg, tokenizer, run_dir, rank)
+    try:
+        tokenizer = load_tokenizer(cfg.model)
+    except ValueError as exc:
+        raise _user_error(exc) from None
+    if not cfg.data.synthetic.enabled:  # the user's files, read (and checked) before any write
+        train_set, val_set, data_stats = load_train_val(cfg, tokenizer, *prepare_data(cfg, tokenizer, run_dir, rank))
+    if rank == 0:
+        prepare_run_dir(run_dir, overwrite)
     dist.barrier()
-    train_set, val_set, data_stats = load_train_val(cfg, tokenizer, train_files, val_files)
+    if cfg.data.synthetic.enabled:
+        train_files, val_files = prepare_data(cfg, tokenizer, run_dir, rank)
+        dist.barrier()
+        train_set, val_set, data_stats = load_train_val(cfg, tokenizer, train_files, val_files)
 
-    lm = build_model(cfg.model, device, torch.float32, tokenizer)
+    try:
+        lm = build_model(cfg.model, device, torch.float32, tokenizer)
+    except ValueError as exc:
+        raise _user_error(exc) from None
     # before DeepSpeed wraps (and under ZeRO-3 shards) the policy: the HF engine copies it
     rollout = make_rollout_engine(cfg, lm, tokenizer, device=device, rank=rank, world=world)
     engine = PolicyEngine(PolicyModel(lm), cfg, device, world)
-    reward_fn = RewardFn(cfg.reward.kind, cfg.reward.timeout_s, cfg.reward.sandbox)
+    reward_fn = RewardFn(cfg.reward.kind, cfg.reward.timeout_s, cfg.reward.sandbox, cfg.reward.workers)
     closing.callback(reward_fn.close)
     pad_id = tokenizer.pad_token_id
 
@@ -396,20 +497,29 @@ def _train(cfg: Config, resume, stop_at, on_end, closing: contextlib.ExitStack) 
                  if a.pos_weight_schedule else None)
     counters = {"skipped_steps": 0, "filtered_groups": 0, "reward_timeouts": 0}
     step = 0
-    if resume:
-        path = latest_checkpoint(ckpt_root) if resume is True else Path(resume)
-        if path is None:
-            raise FileNotFoundError(f"--resume: no checkpoint under {str(ckpt_root)!r}")
+    if resume_path is not None:
+        path = resume_path
         state = load_checkpoint(path, engine, gens, rank)
         step = state["step"]
-        sampler.load_state_dict(state["sampler"])
-        counters.update(state["counters"])
-        if lam_sched is not None:
-            lam_sched.load_state_dict(state["lambda"])
+        try:
+            sampler.load_state_dict(state["sampler"])
+            counters.update(state["counters"])
+            if lam_sched is not None:
+                lam_sched.load_state_dict(state["lambda"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"--resume: {str(path)!r} does not fit this run's config or data "
+                                  f"({type(exc).__name__}: {one_line(exc)})") from None
         if rank == 0:
             print(f"[fastcov] resumed from {path} at step {step}", flush=True)
+    if rank == 0:
+        save_config(cfg, run_dir / "config.yaml")
+        if resume_path is not None:
+            trimmed = trim_metrics(run_dir / "metrics.jsonl", step)
+            if trimmed["dropped"] or trimmed["torn"]:
+                print(f"[fastcov] metrics.jsonl: dropped {trimmed['dropped']} row(s) after step {step}"
+                      f"{' and a torn last line' if trimmed['torn'] else ''}", flush=True)
     logger = (MetricsLogger(run_dir, cfg.to_dict(), t.tensorboard, t.wandb, t.wandb_project,
-                            resume_step=step if resume else None) if rank == 0 else None)
+                            resume_step=step if resume_path is not None else None) if rank == 0 else None)
     if logger:
         closing.callback(logger.close)
     if rank == 0:
@@ -425,8 +535,15 @@ def _train(cfg: Config, resume, stop_at, on_end, closing: contextlib.ExitStack) 
                 "lambda": lam_sched.state_dict() if lam_sched is not None else None,
                 "world": world}
 
-    def checkpoint() -> Path:
-        return save_checkpoint(ckpt_root, step, engine, trainer_state(), gens, rank, t.keep_last)
+    def write_pending_checkpoint() -> Path:
+        """Phase 1 of a save (the slow part); ``publish_checkpoint`` renames it into place."""
+        return write_checkpoint(ckpt_root, step, engine, trainer_state(), gens, rank)
+
+    def log_durably(rec: dict) -> None:
+        """One metrics row, flushed and fsynced (before the step's checkpoint can be published)."""
+        if logger:
+            logger.log(rec)
+            fsync_path(logger.path)
 
     sync_weights()
     pbar = None
@@ -440,8 +557,7 @@ def _train(cfg: Config, resume, stop_at, on_end, closing: contextlib.ExitStack) 
 
     if step == 0 and t.eval_every and val_set:
         res = evaluate(rollout, val_set, reward_fn, tokenizer, cfg, rank, world, device, 0)
-        if logger:
-            logger.log({"step": 0, **res})
+        log_durably({"step": 0, **res})
 
     local_prompts = t.prompts_per_step // world
     with _StopFlag() as stop:
@@ -472,7 +588,7 @@ def _train(cfg: Config, resume, stop_at, on_end, closing: contextlib.ExitStack) 
             t0 = time.perf_counter()
             texts = tokenizer.batch_decode(out.token_ids, skip_special_tokens=True)
             timeouts_before = reward_fn.timeouts
-            local_rewards = [reward_fn(txt, examples[i // r.n].ground_truth) for i, txt in enumerate(texts)]
+            local_rewards = reward_fn.batch(texts, [examples[i // r.n].ground_truth for i in range(len(texts))])
             counters["reward_timeouts"] += int(all_sum([reward_fn.timeouts - timeouts_before], device)[0])
             times["reward"] = time.perf_counter() - t0
 
@@ -552,17 +668,21 @@ def _train(cfg: Config, resume, stop_at, on_end, closing: contextlib.ExitStack) 
                 times["eval"] = time.perf_counter() - t0
 
             # ---------------------------------------------------------- 9. checkpoint, stop
+            # The step's metrics row is on disk before its checkpoint is: a crash in between resumes
+            # from the previous checkpoint and trims the row, so no step is lost or logged twice.
             stop_now = all_sum([1.0 if stop.set else 0.0], device)[0] > 0 or step == stop_at
+            pending = None
             if step == t.max_steps or stop_now or (t.save_every and step % t.save_every == 0):
                 t0 = time.perf_counter()
-                checkpoint()
+                pending = write_pending_checkpoint()
                 times["save"] = time.perf_counter() - t0
             dt = time.perf_counter() - t_step
             rec.update({f"time/{k}": v for k, v in times.items()})
             rec["time/step"] = dt
             rec["tokens_per_s"] = (p_sum + len_sum) / dt
-            if logger:
-                logger.log(rec)
+            log_durably(rec)
+            if pending is not None:
+                publish_checkpoint(pending, t.keep_last, rank)
             if pbar is not None:
                 pbar.set_postfix(reward=f"{rec['reward_mean']:.3f}", H=f"{rec['entropy']:.3f}",
                                  **({"val": f"{rec['val_acc']:.3f}"} if "val_acc" in rec else {}),
@@ -579,7 +699,26 @@ def _train(cfg: Config, resume, stop_at, on_end, closing: contextlib.ExitStack) 
     if step == t.max_steps:
         with engine.gathered_model() as model:
             if rank == 0:
-                model.save_pretrained(run_dir / "final")
-                tokenizer.save_pretrained(run_dir / "final")
+                export_final(model, tokenizer, run_dir)
         dist.barrier()
     return run_dir
+
+
+def export_final(model, tokenizer, run_dir: Path) -> Path:
+    """``<run_dir>/final`` as a Hugging Face directory, replaced atomically (temp dir, fsync, rename)."""
+    import shutil
+
+    final, tmp, old = run_dir / "final", run_dir / ".final.tmp", run_dir / ".final.old"
+    for p in (tmp, old):
+        if p.exists():
+            shutil.rmtree(p)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    fsync_tree(tmp)
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    fsync_path(run_dir)
+    if old.exists():
+        shutil.rmtree(old)
+    return final
