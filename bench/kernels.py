@@ -58,6 +58,16 @@ PRESETS: dict[str, dict] = {
         "device": "cuda", "dtype": "bfloat16", "warmup": 3, "repeats": 10,
         "groups": [{"name": "qwen2.5-32b", "d": 5120, "v": 152064, "ns": [4096, 16384, 65536]}],
     },
+    # The GPU run of the kernel issue: both Qwen2.5 heads, bf16, every peer, the cuBLAS floor, one
+    # JSON line per case as it finishes; sized to stay under 8 minutes on one H100.
+    "h100": {
+        "device": "cuda", "dtype": "bfloat16", "warmup": 2, "repeats": 5,
+        "impls": ["naive", "naive-compile", "fastcov-triton", "liger", "liger-entropy", "cce", "verl"],
+        "groups": [
+            {"name": "qwen2.5-7b", "d": 3584, "v": 152064, "ns": [4096, 16384, 65536]},
+            {"name": "qwen2.5-32b", "d": 5120, "v": 152064, "ns": [16384, 65536]},
+        ],
+    },
     # a seconds-long run for the smoke test
     "smoke": {
         "device": "auto", "dtype": "float32", "warmup": 1, "repeats": 2,
@@ -66,6 +76,8 @@ PRESETS: dict[str, dict] = {
 }
 PRESET_ALIASES = {"gpu": ["qwen2.5-7b", "qwen2.5-32b"]}
 MATMUL_V_CHUNK = 16384
+# the cuBLAS floor walks the tokens in chunks whose [chunk, V] logits take at most this many bytes
+FLOOR_CHUNK_BYTES = 1 << 30
 CHECK_ROWS = 32
 # Every benchmark row has a valid label: ignore_index handling is tested in tests/, not timed here.
 
@@ -100,6 +112,34 @@ def _reference_rows(hidden, weight, labels, temperature: float, rows: int, chunk
     lp = logp.gather(-1, labels[:rows, None]).squeeze(-1)
     ent = -(logp.exp() * logp).sum(-1)
     return lp, ent
+
+
+def floor_calls(hidden: torch.Tensor, weight: torch.Tensor):
+    """The same-shape cuBLAS matmul chain: (fwd, fwd+bwd) closures doing only the GEMMs a fused
+    kernel cannot avoid, over token chunks of at most FLOOR_CHUNK_BYTES of logits:
+    fwd = H·Wᵀ (2·N·D·V FLOPs); fwd+bwd = H·Wᵀ, again (the recompute), Z·W (dH) and Zᵀ·H into dW
+    in place (8·N·D·V FLOPs). Their times are the floor "% of floor" divides by."""
+    h, w = hidden.detach(), weight.detach()
+    n, v = h.shape[0], w.shape[0]
+    chunk = max(1, min(n, FLOOR_CHUNK_BYTES // (v * h.element_size())))
+    dw = torch.empty_like(w)
+
+    def fwd():
+        for r0 in range(0, n, chunk):
+            torch.matmul(h[r0:r0 + chunk], w.T)
+
+    def fb():
+        for i, r0 in enumerate(range(0, n, chunk)):
+            hc = h[r0:r0 + chunk]
+            torch.matmul(hc, w.T)
+            z = torch.matmul(hc, w.T)
+            torch.matmul(z, w)
+            if i == 0:
+                torch.mm(z.T, hc, out=dw)
+            else:
+                dw.addmm_(z.T, hc)
+
+    return {"fwd": fwd, "fb": fb, "chunk": chunk, "dw": dw}
 
 
 def _is_oom(exc: BaseException) -> bool:
@@ -196,6 +236,10 @@ def run_shape(spec: dict) -> dict:
     inputs = _make_inputs(n, d, v, dtype, device, spec["seed"])
     calls = closures(inputs)
     matmul = None
+    for name in fns:  # compilation is not what the benchmark times, whatever the warm-up count
+        if IMPLS[name].compiles:
+            for kind in ("fwd", "fb"):
+                guarded(name, kind, "compilation", calls[name][kind])
 
     if mode in ("all", "time"):
         vc = min(v, MATMUL_V_CHUNK)
@@ -205,6 +249,18 @@ def run_shape(spec: dict) -> dict:
         def mm_call():
             return torch.matmul(mm_a, mm_w.T)
 
+        floor = {}
+        try:
+            chain = floor_calls(mm_a, inputs[1])
+            for kind in ("fwd", "fb"):
+                t = M.time_fn(chain[kind], device, warmup=max(1, warmup), repeats=max(3, repeats))
+                floor[f"{kind}_ms"] = M.median(t)
+                floor[f"{kind}_tflops"] = M.tflops((2.0 if kind == "fwd" else 8.0) * n * d * v, floor[f"{kind}_ms"])
+            floor["chunk"] = chain["chunk"]
+            del chain
+        except Exception as exc:  # noqa: BLE001 - the floor is a reference, its failure is reported
+            floor = {"error": _short(exc)}
+            M.free_memory(device)
         if not spec.get("interleave"):
             try:
                 mm_times = M.time_fn(mm_call, device, warmup=max(2, warmup), repeats=max(5, repeats))
@@ -241,6 +297,8 @@ def run_shape(spec: dict) -> dict:
             ms = M.median(mm_times)
             matmul = {"n": n, "d": d, "v_chunk": vc, "dtype": spec["dtype"], "ms": ms, "times_ms": mm_times,
                       "tflops": M.tflops(2.0 * n * d * vc, ms)}
+        if matmul is not None:
+            matmul["floor"] = floor
 
     if mode in ("all", "memory"):
         if mode == "memory":  # warm up at a tiny shape: lazy imports, compilation, library scratch
@@ -364,7 +422,7 @@ def _derive(cases: list[dict], matmul: dict, interpreted: set[str] = frozenset()
     for c in cases:
         if c["group"] in interpreted and c["impl"] == "fastcov-triton":
             c.update(fwd_tflops=None, fb_tflops=None, fwd_pct_matmul=None, fb_pct_matmul=None,
-                     speedup_fwd=None, speedup_fb=None)
+                     fwd_pct_floor=None, fb_pct_floor=None, speedup_fwd=None, speedup_fb=None)
             ref = naive.get((c["group"], c["n"]))
             for k in ("fwd", "fb"):
                 m, mr = c.get(f"{k}_peak_bytes"), ref.get(f"{k}_peak_bytes") if ref else None
@@ -377,6 +435,10 @@ def _derive(cases: list[dict], matmul: dict, interpreted: set[str] = frozenset()
         for k in ("fwd", "fb"):
             tf = c[f"{k}_tflops"]
             c[f"{k}_pct_matmul"] = 100.0 * tf / mm if tf and mm else None
+        floor = matmul.get(f'{c["group"]}/{c["n"]}', {}).get("floor") or {}
+        for k in ("fwd", "fb"):
+            t, tf = c.get(f"{k}_ms"), floor.get(f"{k}_ms")
+            c[f"{k}_pct_floor"] = 100.0 * tf / t if t and tf else None
         ref = naive.get((c["group"], c["n"]))
         for k in ("fwd", "fb"):
             t, tr = c.get(f"{k}_ms"), ref.get(f"{k}_ms") if ref else None
@@ -404,7 +466,9 @@ def _resolve_presets(name: str) -> list[str]:
     return PRESET_ALIASES.get(name, [name])
 
 
-def run_preset(preset_name: str, args, device: torch.device) -> dict:
+def run_preset(preset_name: str, args, device: torch.device, on_case=None, matmul_out=None) -> dict:
+    """Run every shape of a preset; ``on_case(row)`` is called with each finished, derived row
+    (``matmul_out``, when given, is the dict the per-shape matmul/floor results are filled into)."""
     preset = PRESETS[preset_name]
     dtype_name = args.dtype or preset["dtype"]
     dtype = getattr(torch, dtype_name)
@@ -413,14 +477,15 @@ def run_preset(preset_name: str, args, device: torch.device) -> dict:
     default_threads = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)  # for what runs in this process
-    groups_out, matmul, cases = [], {}, []
+    groups_out, matmul, cases = [], ({} if matmul_out is None else matmul_out), []
     plan = []
     for grp in preset["groups"]:
         interp = bool(grp.get("interpret"))
         d = grp["d"] if interp or args.d is None else args.d
         v = grp["v"] if interp or args.v is None else args.v
         ns = grp["ns"] if interp or not args.n else args.n
-        impls = [i for i in (args.impls or DEFAULT_IMPLS) if grp.get("impls") is None or i in grp["impls"]]
+        impls = [i for i in (args.impls or preset.get("impls") or DEFAULT_IMPLS)
+                 if grp.get("impls") is None or i in grp["impls"]]
         if interp and device.type == "cuda":
             continue  # the interpreter group exists for CPU-only machines
         if interp and "fastcov-triton" not in impls:
@@ -470,10 +535,18 @@ def run_preset(preset_name: str, args, device: torch.device) -> dict:
             if mm.get("tflops"):
                 log(f"[matmul] {gname} N={n} [{n},{d}]@[{d},{mm['v_chunk']}] {dtype_name}: "
                     f"{mm['ms']:.3f} ms, {mm['tflops']:.3f} TFLOP/s")
+        if mm is not None and (mm.get("floor") or {}).get("fb_ms"):
+            fl = mm["floor"]
+            log(f"[floor] {gname} N={n}: cuBLAS chain fwd {fl['fwd_ms']:.3f} ms, fwd+bwd {fl['fb_ms']:.3f} ms "
+                f"({fl['fb_tflops']:.3f} TFLOP/s)")
+        shape_rows = [rows[impl] for impl in impls]
+        _derive(shape_rows, matmul, {g["name"] for g in groups_out if g["interpret"]})
         for impl in impls:
             k += 1
             cases.append(rows[impl])
             log(f"[{k}/{total}] {gname} N={n} D={d} V={v} {impl:<15} " + _progress(rows[impl]))
+            if on_case is not None:
+                on_case(rows[impl])
         log(f"    ({dt:.1f} s for {gname} N={n})")
     _derive(cases, matmul, {g["name"] for g in groups_out if g["interpret"]})
     torch.set_num_threads(default_threads)
@@ -613,6 +686,91 @@ def write_results(run: dict, out_dir: Path, env: dict, date: str) -> tuple[Path,
     return jpath, mpath
 
 
+# =========================================================================== JSON lines
+
+
+JSONL_KEYS = ("impl", "group", "n", "d", "v", "dtype", "status", "reason", "entropy",
+              "fwd_ms", "fb_ms", "fwd_tflops", "fb_tflops", "fwd_pct_floor", "fb_pct_floor",
+              "fwd_pct_matmul", "fb_pct_matmul", "fwd_peak_bytes", "fb_peak_bytes", "mem_method",
+              "speedup_fwd", "speedup_fb", "mem_ratio_fwd", "mem_ratio_fb", "check")
+
+
+def jsonl_path(out_dir: Path, env: dict, date: str) -> Path:
+    """<out>/<device slug>/kernels-<date>.jsonl: one line per case, appended as each finishes."""
+    return out_dir / env["device_slug"] / f"kernels-{date}.jsonl"
+
+
+def append_jsonl(path: Path, row: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def case_line(case: dict, preset: str, matmul: dict, env: dict, command: str, date: str) -> dict:
+    """A self-contained JSON line: the case, its shape's cuBLAS floor, the device and the versions."""
+    floor = (matmul.get(f'{case["group"]}/{case["n"]}') or {}).get("floor") or {}
+    return {"preset": preset, "date": date, "device": env.get("device_name"), "torch": env.get("torch"),
+            "triton": env.get("triton"), "cuda": env.get("cuda"), "command": command,
+            **{k: case.get(k) for k in JSONL_KEYS},
+            "floor_fwd_ms": floor.get("fwd_ms"), "floor_fb_ms": floor.get("fb_ms"),
+            "floor_fb_tflops": floor.get("fb_tflops"), "floor_error": floor.get("error")}
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The lines of a results file; a torn last line (a run killed mid-write) is skipped."""
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def render_jsonl_md(rows: list[dict]) -> str:
+    """Markdown tables (one per preset and shape group) from JSON lines; the last line of a case wins."""
+    latest: dict[tuple, dict] = {}
+    for r in rows:
+        latest[(r["preset"], r["group"], r["n"], r["impl"])] = r
+    if not latest:
+        return "# fastcov kernel benchmark\n\n(no cases)\n"
+    first = next(iter(latest.values()))
+    lines = [f"# fastcov kernel benchmark — {first.get('device')}", "",
+             f"torch {first.get('torch')}, triton {first.get('triton')}, CUDA {first.get('cuda')}; "
+             f"`{first.get('command')}` ({first.get('date')}).", "",
+             "% of floor: the same-run cuBLAS chain's time (fwd: H·Wᵀ; fwd+bwd: H·Wᵀ twice, dZ·W, dZᵀ·H, "
+             "8·N·D·V FLOPs, token chunks of ≤ 1 GiB of logits) ÷ this implementation's time. "
+             "Peak memory: the increment over the inputs (outputs and gradients included).", ""]
+    groups: dict[tuple, list[dict]] = {}
+    for r in latest.values():
+        groups.setdefault((r["preset"], r["group"], r["d"], r["v"], r["dtype"]), []).append(r)
+    for (preset, group, d, v, dtype), rs in groups.items():
+        lines += [f"## {preset} / {group}: D = {d}, V = {v}, {dtype}", "",
+                  "| N | impl | fwd ms | fwd TFLOP/s | fwd % of floor | fwd+bwd ms | fwd+bwd TFLOP/s "
+                  "| fwd+bwd % of floor | peak mem fwd+bwd | speed × naive (fwd+bwd) | max abs err logp / H |",
+                  "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in sorted(rs, key=lambda r: r["n"]):
+            if r["status"] not in ("ok",) and r.get("fb_ms") is None and r.get("fwd_ms") is None:
+                lines.append(f"| {r['n']} | {r['impl']} | {r['status']}: {r['reason']} "
+                             "| — | — | — | — | — | — | — | — |")
+                continue
+            lines.append(
+                f"| {r['n']} | {r['impl']} | {_fmt(r.get('fwd_ms'), '.2f')} | {_fmt(r.get('fwd_tflops'), '.1f')} "
+                f"| {_fmt(r.get('fwd_pct_floor'), '.0f', '%')} | {_fmt(r.get('fb_ms'), '.2f')} "
+                f"| {_fmt(r.get('fb_tflops'), '.1f')} | {_fmt(r.get('fb_pct_floor'), '.0f', '%')} "
+                f"| {M.fmt_bytes(r.get('fb_peak_bytes'))} | {_fmt(r.get('speedup_fb'), '.2f', '×')} "
+                f"| {_check_cell(r)} |")
+        floors = {r["n"]: r for r in rs if r.get("floor_fb_ms")}
+        if floors:
+            lines += ["", "cuBLAS floor: " + "; ".join(
+                f"N {n}: fwd {r['floor_fwd_ms']:.2f} ms, fwd+bwd {r['floor_fb_ms']:.2f} ms "
+                f"({r['floor_fb_tflops']:.1f} TFLOP/s)" for n, r in sorted(floors.items()))]
+        lines.append("")
+    return "\n".join(lines)
+
+
 # =========================================================================== CLI
 
 
@@ -639,6 +797,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--case-timeout", type=float, default=600.0, help="seconds, per isolated case")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench/results", help="results folder (default bench/results)")
+    p.add_argument("--render", metavar="JSONL", help="only write the markdown of a results .jsonl (next to it)")
     p.add_argument("--_case", help=argparse.SUPPRESS)
     return p
 
@@ -647,6 +806,15 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args._case:
         return _case_main(args._case)
+    if args.render:
+        src = Path(args.render)
+        if not src.is_file():
+            log(f"error: --render {src}: no such file")
+            return 2
+        dst = src.with_suffix(".md")
+        dst.write_text(render_jsonl_md(read_jsonl(src)))
+        log(f"wrote {dst}")
+        return 0
     if args.impls:
         args.impls = list(dict.fromkeys(i for a in args.impls for i in a.split(",") if i))
         unknown = [i for i in args.impls if i not in IMPLS]
@@ -666,7 +834,7 @@ def main(argv: list[str] | None = None) -> int:
     if dev == "cuda" and not has_cuda:
         log("error: CUDA requested but torch.cuda.is_available() is False")
         return 2
-    if "cuda" in wanted and dev != "cuda":
+    if "cuda" in wanted and dev != "cuda" and args.device == "auto":
         log(f"error: preset {preset} is for CUDA (bf16, Qwen2.5 shapes); this machine has no CUDA device. "
             "Use --preset cpu-small, or --device cpu to force it.")
         return 2
@@ -678,13 +846,20 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(args.out)
     if not out_dir.is_absolute():
         out_dir = Path.cwd() / out_dir
+    lines_path = jsonl_path(out_dir, env, date)
     for name in names:
         started = _dt.datetime.now().isoformat(timespec="seconds")
         t0 = time.perf_counter()
-        run = run_preset(name, args, device)
+        matmul_seen: dict = {}
+
+        def on_case(row, name=name, matmul_seen=matmul_seen):
+            append_jsonl(lines_path, case_line(row, name, matmul_seen, env, cmd.strip(), date))
+
+        run = run_preset(name, args, device, on_case=on_case, matmul_out=matmul_seen)
         run.update(command=cmd.strip(), started=started, wall_s=time.perf_counter() - t0, env=env)
         jpath, mpath = write_results(run, out_dir, env, date)
-        log(f"{name}: {run['wall_s']:.1f} s; wrote {jpath} and {mpath}")
+        lines_path.with_suffix(".md").write_text(render_jsonl_md(read_jsonl(lines_path)))
+        log(f"{name}: {run['wall_s']:.1f} s; wrote {jpath}, {mpath} and {lines_path} (+ .md)")
     return 0
 
 

@@ -6,6 +6,8 @@
 ``hidden`` [N, D], ``weight`` [V, D], ``labels`` [N] int64 (no ignored rows in the benchmark);
 ``logprob`` / ``entropy`` are per token and differentiable w.r.t. hidden and weight.
 
+``naive-compile`` is the same loop through ``torch.compile``, the cheapest speed-up a user can try.
+
 ``probe(device)`` is the cheap check the parent process makes before spawning a case: it imports
 nothing heavy (``importlib.util.find_spec`` only), so an absent or CUDA-only peer costs no
 subprocess. ``load`` does the real import inside the case's process; any failure there is
@@ -52,6 +54,7 @@ class Impl:
     probe: Callable[[torch.device], str | None]
     load: Callable[[torch.device], Fn]
     needs_cuda: bool = True
+    compiles: bool = False             # first call per shape compiles: the harness calls it once untimed
 
 
 # --------------------------------------------------------------------------- naive reference
@@ -68,6 +71,13 @@ def naive(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temp
 
 def _load_naive(device: torch.device) -> Fn:
     return naive
+
+
+def _load_naive_compiled(device: torch.device) -> Fn:
+    """``naive`` through ``torch.compile`` (inductor fuses the softmax/entropy epilogue; the logits stay)."""
+    if not hasattr(torch, "compile"):
+        raise Unavailable("this torch has no torch.compile")
+    return torch.compile(naive, dynamic=False)
 
 
 # --------------------------------------------------------------------------- fastcov
@@ -255,6 +265,8 @@ def _load_verl(device: torch.device) -> Fn:
 IMPLS: dict[str, Impl] = {
     "naive": Impl("naive", "PyTorch, materialized fp32 logits + log_softmax + autograd", True,
                   lambda d: None, _load_naive, needs_cuda=False),
+    "naive-compile": Impl("naive-compile", "the naive loop through torch.compile (inductor)", True,
+                          lambda d: None, _load_naive_compiled, needs_cuda=False, compiles=True),
     "fastcov-triton": Impl("fastcov-triton", 'fastcov.linear_logprob_entropy(impl="triton")', True,
                            _probe_fastcov("triton"), _load_fastcov("triton")),
     "fastcov-torch": Impl("fastcov-torch", 'fastcov.linear_logprob_entropy(impl="torch")', True,

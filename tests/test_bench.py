@@ -138,3 +138,66 @@ def test_correctness_gpu_reference_matches_autograd(temperature, with_bias):
     if with_bias:
         torch.testing.assert_close(db, grads[2], atol=1e-10, rtol=1e-10)
         assert (z.detach() < 0).all()
+
+
+# ---------------------------------------------------------------- the h100 preset, end to end at a tiny size
+
+
+@pytest.fixture(scope="module")
+def h100_tiny(tmp_path_factory):
+    """The GPU preset on CPU at N 16, D 32, V 100 (fp32; fastcov-triton under the interpreter), all
+    in one process, so the first GPU run exercises code that has run before."""
+    out = tmp_path_factory.mktemp("bench-h100")
+    rc = K.main(["--preset", "h100", "--device", "cpu", "--dtype", "float32", "--n", "16", "--d", "32",
+                 "--v", "100", "--repeats", "1", "--warmup", "0", "--isolate", "never", "--out", str(out)])
+    assert rc == 0
+    (lines,) = list(out.glob("*/kernels-*.jsonl"))
+    return lines, K.read_jsonl(lines)
+
+
+def test_h100_preset_writes_one_json_line_per_case(h100_tiny):
+    path, rows = h100_tiny
+    impls = K.PRESETS["h100"]["impls"]
+    groups = [g["name"] for g in K.PRESETS["h100"]["groups"]]
+    assert {"naive", "naive-compile", "fastcov-triton", "liger", "verl"} <= set(impls)
+    assert sorted((r["group"], r["impl"]) for r in rows) == sorted((g, i) for g in groups for i in impls)
+    for r in rows:
+        assert r["preset"] == "h100" and r["device"] and r["torch"] and "bench.kernels" in r["command"]
+        assert r["floor_fb_ms"] > 0 and r["floor_fwd_ms"] > 0
+    by_impl = {r["impl"]: r for r in rows if r["group"] == groups[0]}
+    if K._probe("fastcov-triton", torch.device("cpu"), False) is None:  # TRITON_INTERPRET=1 (tests/conftest.py)
+        assert by_impl["fastcov-triton"]["status"] == "ok", by_impl["fastcov-triton"]
+    for name in ("naive", "naive-compile", "fastcov-triton"):
+        r = by_impl[name]
+        if r["status"] != "ok":
+            continue
+        for key in ("fwd_ms", "fb_ms", "fwd_pct_floor", "fb_pct_floor", "fb_peak_bytes", "speedup_fb"):
+            assert r[key] is not None and r[key] > 0, (name, key)
+        assert r["check"]["logprob_max_abs"] < 1e-4 and r["check"]["entropy_max_abs"] < 1e-4
+    md = path.with_suffix(".md").read_text()
+    assert "| N | impl | fwd ms |" in md and "% of floor" in md and "cuBLAS floor: N 16" in md
+
+
+def test_jsonl_survives_a_torn_last_line_and_renders(tmp_path, h100_tiny):
+    path, rows = h100_tiny
+    torn = tmp_path / "kernels.jsonl"
+    torn.write_text(path.read_text() + '{"preset": "h100", "gro')  # a run killed mid-write
+    assert K.read_jsonl(torn) == rows
+    assert K.main(["--render", str(torn)]) == 0
+    assert "| 16 | naive |" in (tmp_path / "kernels.md").read_text()
+    assert K.main(["--render", str(tmp_path / "missing.jsonl")]) == 2
+
+
+def test_cublas_floor_chain_does_the_four_gemms():
+    """The floor closure really computes dW = Zᵀ·H over chunks (with Z = H·Wᵀ): it is not an empty loop."""
+    torch.manual_seed(0)
+    h, w = torch.randn(40, 8), torch.randn(30, 8)
+    old = K.FLOOR_CHUNK_BYTES
+    try:
+        K.FLOOR_CHUNK_BYTES = 30 * 4 * 7  # chunks of 7 rows
+        chain = K.floor_calls(h, w)
+        assert chain["chunk"] == 7
+        chain["fb"]()
+    finally:
+        K.FLOOR_CHUNK_BYTES = old
+    torch.testing.assert_close(chain["dw"], (h @ w.T).T @ h, atol=1e-4, rtol=1e-4)
