@@ -757,16 +757,16 @@ def render_jsonl_md(rows: list[dict]) -> str:
                              "| — | — | — | — | — | — | — | — |")
                 continue
             lines.append(
-                f"| {r['n']} | {r['impl']} | {_fmt(r.get('fwd_ms'), '.2f')} | {_fmt(r.get('fwd_tflops'), '.1f')} "
+                f"| {r['n']} | {r['impl']} | {_fmt(r.get('fwd_ms'), '.2f')} | {_fmt(r.get('fwd_tflops'), '.3g')} "
                 f"| {_fmt(r.get('fwd_pct_floor'), '.0f', '%')} | {_fmt(r.get('fb_ms'), '.2f')} "
-                f"| {_fmt(r.get('fb_tflops'), '.1f')} | {_fmt(r.get('fb_pct_floor'), '.0f', '%')} "
+                f"| {_fmt(r.get('fb_tflops'), '.3g')} | {_fmt(r.get('fb_pct_floor'), '.0f', '%')} "
                 f"| {M.fmt_bytes(r.get('fb_peak_bytes'))} | {_fmt(r.get('speedup_fb'), '.2f', '×')} "
                 f"| {_check_cell(r)} |")
         floors = {r["n"]: r for r in rs if r.get("floor_fb_ms")}
         if floors:
             lines += ["", "cuBLAS floor: " + "; ".join(
                 f"N {n}: fwd {r['floor_fwd_ms']:.2f} ms, fwd+bwd {r['floor_fb_ms']:.2f} ms "
-                f"({r['floor_fb_tflops']:.1f} TFLOP/s)" for n, r in sorted(floors.items()))]
+                f"({r['floor_fb_tflops']:.3g} TFLOP/s)" for n, r in sorted(floors.items()))]
         lines.append("")
     return "\n".join(lines)
 

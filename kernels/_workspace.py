@@ -15,7 +15,7 @@ largest row count whose buffer fits the budget (at least one row):
 
 The budget is ``workspace_mb`` when given, else the environment variable FASTCOV_WORKSPACE_MB,
 else 256 MiB. At the Qwen2.5-7B head (V 152064, bf16) 256 MiB gives chunks of 832 tokens, 32 MiB
-chunks of 64 (DESIGN/docs: docs/kernels.md).
+chunks of 110 (docs/kernels.md §3).
 """
 
 from __future__ import annotations

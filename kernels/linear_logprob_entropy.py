@@ -3,7 +3,7 @@ straight from hidden states and the LM head, forward and backward, never materia
 
 Forward (``_forward_kernel``): one pass over the vocabulary. Program (row block, vocabulary split)
 computes each [BLOCK_N, BLOCK_V] logits tile with ``tl.dot`` over BLOCK_D chunks of D into fp32 and
-folds it into the streaming accumulators of docs/design.md §3 (running max from −inf; columns past V
+folds it into the streaming accumulators of docs/kernels.md §1 (running max from −inf; columns past V
 are −inf). The covariance sums (s2, u2) and the running top-k are compile-time switches (COV, TOPK),
 so a logprob+entropy call pays for neither. Splits write O(N) partials that ``_stats.combine_partials``
 merges exactly, so a few thousand tokens still fill the GPU. Programs are ordered in groups of
