@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-verl bench clean
+.PHONY: demo test test-verl test-vllm-api bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,16 @@ $(VERL_STAMP): pyproject.toml requirements/dev.txt requirements/verl.txt
 
 test-verl: $(VERL_STAMP)
 	$(VERL_VENV)/bin/python -m pytest -q -ra -p no:cacheprovider tests/integrations_verl tests/test_verl_parity.py
+
+# vLLM API drift: the engine and its fakes against the source of each supported vLLM release (no install:
+# the wheels pin a CUDA torch). Downloads the wheels without dependencies, keeps their .py files in
+# VLLM_SRC (git-ignored); `make test` runs the same check whenever that cache exists.
+VLLM_SRC      := .cache/vllm-src
+VLLM_VERSIONS := 0.26.0 0.33.0
+
+test-vllm-api: $(STAMP)
+	$(PY) tests/test_vllm_api.py fetch $(VLLM_SRC) $(VLLM_VERSIONS)
+	FASTCOV_VLLM_SRC=$(VLLM_SRC) $(PY) -m pytest -q -ra tests/test_vllm_api.py tests/test_rollout_vllm.py
 
 bench: $(STAMP)
 	$(PY) -m bench.kernels --preset cpu-small

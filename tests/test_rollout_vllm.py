@@ -1,5 +1,8 @@
-"""The vLLM rollout engine without vLLM: import/version errors, output conversion, request splitting and
-the server-mode weight-update protocol, all against fakes (vLLM cannot be installed here)."""
+"""The vLLM rollout engine without vLLM: import/version errors, the version adapter, flat buckets, output
+conversion, request splitting, the server-mode weight-transfer protocol and the colocated sleep/wake and
+weight-update order, all against fakes (vLLM cannot be installed here). The fakes' methods, signatures and
+attributes are checked against vLLM's source by tests/test_vllm_api.py (FAKE_OF says which class each fakes).
+"""
 
 import sys
 import types
@@ -11,9 +14,19 @@ import torch
 
 from fastcov.trainer import rollout_vllm as rv
 from fastcov.trainer.rollout import SamplingParams, batch_slices, finish_rollouts, split_evenly
-from fastcov.trainer.weight_sync import ALIGN, iter_buckets, unflatten
+from fastcov.trainer.weight_sync import iter_buckets
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# fake -> the vLLM class it stands for (checked against the parsed source by tests/test_vllm_api.py)
+FAKE_OF = {
+    "FakeLLM": "vllm.LLM",
+    "FakeSamplingParams": "vllm.SamplingParams",
+    "FakeRequestOutput": "vllm.outputs.RequestOutput",
+    "FakeCompletionOutput": "vllm.outputs.CompletionOutput",
+    "FakeLogprob": "vllm.logprobs.Logprob",
+    "FakeComm": "vllm.distributed.device_communicators.pynccl.PyNcclCommunicator",
+}
 
 
 def _fake_vllm(monkeypatch, version):
@@ -30,30 +43,46 @@ def test_factory_names_missing_vllm(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm -> ImportError
     cfg = load_config(ROOT / "configs" / "tiny.yaml", ["rollout.engine=vllm"])
     tok = NS(eos_token_id=2, pad_token_id=0)
-    with pytest.raises(ImportError, match=r"rollout.engine=vllm needs vLLM>=0\.8\.5,<0\.12.*fastcov\[vllm\]"):
+    with pytest.raises(ImportError, match=r"rollout.engine=vllm needs vLLM>=0\.26,<0\.34 \(0\.26 to 0\.33\)"
+                                          r".*fastcov\[vllm\]"):
         make_rollout_engine(cfg, model=None, tokenizer=tok, device=torch.device("cpu"))
     cfg.rollout.engine = "sglang"
     with pytest.raises(ValueError, match="rollout.engine"):
         make_rollout_engine(cfg, model=None, tokenizer=tok)
 
 
-@pytest.mark.parametrize("version", ["0.7.3", "0.8.4", "0.12.0", "0.12.0rc1", "1.0.0", "garbage"])
+@pytest.mark.parametrize("version", ["0.11.2", "0.25.1", "0.34.0", "0.34.0rc1", "1.0.0", "garbage"])
 def test_version_out_of_range_is_refused(monkeypatch, version):
     _fake_vllm(monkeypatch, version)
-    with pytest.raises(RuntimeError, match=rf"{version}.*vllm>=0\.8\.5,<0\.12"):
+    with pytest.raises(RuntimeError, match=rf"{version}.*vllm>=0\.26,<0\.34 \(0\.26 to 0\.33"):
         rv.import_vllm()
 
 
-@pytest.mark.parametrize("version", ["0.8.5", "0.8.5.post1", "0.10.1.dev3+gabc", "0.11.2"])
+@pytest.mark.parametrize("version", ["0.26.0", "0.26.1.post1", "0.28.0rc2", "0.30.1.dev3+gabc", "0.33.0",
+                                     "0.33.9"])
 def test_version_in_range_is_accepted(monkeypatch, version):
     mod = _fake_vllm(monkeypatch, version)
     assert rv.import_vllm() is mod
 
 
+def test_version_adapter_moves_the_packed_geometry_at_0_28():
+    for v, at_init in (("0.26.0", False), ("0.27.1", False), ("0.28.0", True), ("0.33.0", True)):
+        api = rv.VLLMApi(v)
+        init = api.nccl_init_info(host="h", port=5, world_size=3, rank_offset=1, buffer_bytes=1024)
+        upd = api.nccl_update_info(["w"], ["bfloat16"], [(2, 3)], 1024)
+        assert {k: init[k] for k in ("master_address", "master_port", "rank_offset", "world_size")} == \
+            {"master_address": "h", "master_port": 5, "rank_offset": 1, "world_size": 3}
+        assert upd["names"] == ["w"] and upd["shapes"] == [[2, 3]] and upd["dtype_names"] == ["bfloat16"]
+        packed = init if at_init else upd
+        other = upd if at_init else init
+        assert packed["packed"] is True and packed["packed_buffer_size_bytes"] == 1024, v
+        assert "packed" not in other, v
+
+
 def test_colocated_factory_refuses_cpu_and_bad_tp(monkeypatch):
     from fastcov.trainer.config import load_config
 
-    _fake_vllm(monkeypatch, "0.10.2")
+    _fake_vllm(monkeypatch, "0.26.0")
     cfg = load_config(ROOT / "configs" / "tiny.yaml", ["rollout.engine=vllm"])
     tok = NS(eos_token_id=2, pad_token_id=0)
     with pytest.raises(ValueError, match="rollout.vllm_mode: colocated vLLM needs CUDA"):
@@ -63,26 +92,93 @@ def test_colocated_factory_refuses_cpu_and_bad_tp(monkeypatch):
         rv.make_vllm_engine(cfg, None, tok, device=torch.device("cuda", 0), world=4)
 
 
+def test_colocated_llm_kwargs_set_raw_logprobs_sleep_mode_and_local_backend():
+    from fastcov.trainer.config import load_config
+
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", ["rollout.engine=vllm"])
+    kw = rv.colocated_llm_kwargs(cfg, "/tmp/m")
+    assert kw["logprobs_mode"] == "raw_logprobs" and kw["enable_sleep_mode"] is True
+    assert kw["weight_transfer_config"] == {"backend": "fastcov_local"} and kw["load_format"] == "dummy"
+    assert kw["distributed_executor_backend"] == "external_launcher" and kw["skip_tokenizer_init"] is True
+    assert kw["max_model_len"] >= cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+
+
+def test_serve_command_runs_vllms_own_cli():
+    cmd, env = rv.serve_command(["--model", "/m", "--port", "8001"], python="py")
+    assert cmd[:4] == ["py", "-m", "vllm.entrypoints.cli.main", "serve"] and cmd[4:8] == ["--model", "/m",
+                                                                                          "--port", "8001"]
+    assert cmd[cmd.index("--weight-transfer-config") + 1] == '{"backend": "nccl"}'
+    assert cmd[cmd.index("--logprobs-mode") + 1] == "raw_logprobs" and env == {"VLLM_SERVER_DEV_MODE": "1"}
+    cmd, _ = rv.serve_command(["/m", "--logprobs-mode=processed_logprobs"], python="py")
+    assert "--logprobs-mode" not in cmd  # the user's choice wins
+    assert rv._main([]) == 2
+
+
+# ----------------------------------------------------------------------------------------- flat buckets
+
+def test_chunk_runs_close_a_chunk_once_it_exceeds_the_buffer():
+    assert rv.chunk_runs([10, 10, 10], 25) == [range(0, 3)]  # 30 > 25 only after the third
+    assert rv.chunk_runs([10, 10, 10, 1], 15) == [range(0, 2), range(2, 4)]
+    assert rv.chunk_runs([100, 1, 1], 10) == [range(0, 1), range(1, 3)]
+    assert rv.chunk_runs([], 10) == []
+    assert rv.chunk_runs([4, 4], 8) == [range(0, 2)]  # exactly full stays open
+
+
+def test_pack_flat_casts_floats_and_round_trips():
+    g = torch.Generator().manual_seed(0)
+    pairs = [("w", torch.randn(3, 4, generator=g)), ("i", torch.arange(5)), ("e", torch.zeros(0, 2))]
+    c = rv.pack_flat(pairs, torch.bfloat16)
+    assert c.dtype_names == ["bfloat16", "int64", "bfloat16"] and c.sizes == [24, 40, 0]
+    assert c.flat.numel() == 64 and c.offsets == [0, 24, 64]
+    views = dict(c.views())
+    assert torch.equal(views["w"], pairs[0][1].to(torch.bfloat16)) and torch.equal(views["i"], pairs[1][1])
+    buf = torch.full((100,), 7, dtype=torch.uint8)
+    c2 = rv.pack_flat(pairs, torch.bfloat16, out=buf)
+    assert c2.flat.data_ptr() == buf.data_ptr() and torch.equal(c2.flat, c.flat)
+    with pytest.raises(ValueError):
+        rv.pack_flat(pairs, torch.bfloat16, out=torch.zeros(10, dtype=torch.uint8))
+
+
 # ----------------------------------------------------------------------------------------- conversion
 
+class FakeLogprob:
+    def __init__(self, logprob, rank=1, decoded_token=None):
+        self.logprob, self.rank, self.decoded_token = logprob, rank, decoded_token
+
+
+class FakeCompletionOutput:
+    def __init__(self, token_ids, logprobs):
+        self.token_ids, self.logprobs = token_ids, logprobs
+
+
+class FakeRequestOutput:
+    def __init__(self, outputs):
+        self.outputs = outputs
+
+
+def _out(token_ids, logprobs):
+    return FakeRequestOutput([FakeCompletionOutput(token_ids, logprobs)])
+
+
 def _lp(x):
-    return NS(logprob=x, rank=1, decoded_token=None)
+    return FakeLogprob(x)
 
 
 def test_request_outputs_to_batch():
     outs = [
-        NS(outputs=[NS(token_ids=[5, 6, 2],
-                       logprobs=[{5: _lp(-0.1), 9: _lp(-3.0)}, {6: _lp(-0.2)}, {2: _lp(-0.3)}])]),
-        NS(outputs=[NS(token_ids=(7, 8), logprobs=[{7: _lp(-1.0)}, {8: _lp(-2.0), 1: _lp(-0.5)}])]),  # cut at max
-        NS(outputs=[NS(token_ids=[2, 4], logprobs=[{2: _lp(-0.7)}, {4: _lp(-0.9)}])]),  # eos first: truncated
+        _out([5, 6, 2], [{5: _lp(-0.1), 9: _lp(-3.0)}, {6: _lp(-0.2)}, {2: _lp(-0.3)}]),
+        _out((7, 8), [{7: _lp(-1.0)}, {8: _lp(-2.0), 1: _lp(-0.5)}]),  # cut at max
+        _out([2, 4], [{2: _lp(-0.7)}, {4: _lp(-0.9)}]),  # eos first: truncated
     ]
     b = rv.request_outputs_to_batch(outs, eos_token_ids=[2])
     assert b.token_ids == [[5, 6, 2], [7, 8], [2]]
     assert b.logprobs == [[-0.1, -0.2, -0.3], [-1.0, -2.0], [-0.7]]
     with pytest.raises(RuntimeError, match="no log-probs for request 0"):
-        rv.request_outputs_to_batch([NS(outputs=[NS(token_ids=[1], logprobs=None)])], [2])
+        rv.request_outputs_to_batch([_out([1], None)], [2])
     with pytest.raises(RuntimeError, match="lack the sampled token 1"):
-        rv.request_outputs_to_batch([NS(outputs=[NS(token_ids=[1], logprobs=[{3: _lp(-1.0)}])])], [2])
+        rv.request_outputs_to_batch([_out([1], [{3: _lp(-1.0)}])], [2])
+    with pytest.raises(RuntimeError, match="1 log-probs for the 2 tokens"):
+        rv.request_outputs_to_batch([_out([1, 4], [{1: _lp(-1.0)}])], [2])
 
 
 def test_completion_response_to_batch_and_payload():
@@ -100,7 +196,7 @@ def test_completion_response_to_batch_and_payload():
     p = rv.completion_payload("m", [[1, 2]], SamplingParams(0.7, 0.9, 16), [2])
     assert p["prompt"] == [[1, 2]] and p["logprobs"] == 0 and p["return_tokens_as_token_ids"]
     assert (p["temperature"], p["top_p"], p["max_tokens"], p["stop_token_ids"]) == (0.7, 0.9, 16, [2])
-    assert p["top_k"] == -1 and p["repetition_penalty"] == 1.0  # generation_config cannot leak in
+    assert p["top_k"] == 0 and p["repetition_penalty"] == 1.0  # generation_config cannot leak in
 
 
 def test_shared_request_helpers():
@@ -137,67 +233,83 @@ def test_server_engine_generate_splits_over_servers():
     assert [len(p["prompt"]) for _, p in gen] == [3, 2] and all(p["model"] == "policy" for _, p in gen)
     eng.update_weights(iter([("x", torch.zeros(1))]))  # a non-zero rank drains, sends nothing
     eng.close()
+    with pytest.raises(ValueError, match="version adapter"):
+        rv.VLLMServerEngine(["http://a:1"], [2], tp=1, device=torch.device("cpu"), rank=0, post=post)
 
 
 # ----------------------------------------------------------------------------------------- weight protocol
 
 class FakeComm:
+    """vLLM's PyNcclCommunicator as rank 0 sees it: records what is broadcast."""
+
     def __init__(self):
         self.flats = []
 
-    def broadcast(self, tensor, src):
+    def broadcast(self, tensor, src, stream=None):
         assert src == 0 and tensor.dtype == torch.uint8 and tensor.dim() == 1
-        self.flats.append(tensor.clone())
+        self.flats.append(tensor.clone())  # the sender reuses its buffer
 
 
-def test_server_weight_update_protocol_bucket_metadata():
+def _model():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(40, 30), torch.nn.Linear(30, 50, bias=False),
                                 torch.nn.Embedding(64, 16))
     model[2].to(torch.bfloat16)
     model.register_buffer("steps", torch.arange(5))
-    named = list(model.named_parameters()) + list(model.named_buffers())
-    want = {n: t.detach().clone() for n, t in named}
+    return model, list(model.named_parameters()) + list(model.named_buffers())
+
+
+@pytest.mark.parametrize("version", ["0.26.0", "0.33.0"])
+def test_server_weight_transfer_protocol(version):
+    model, named = _model()
+    # floats travel as bf16; the integer buffer stays home (vLLM loads weights only)
+    want = {n: t.detach().to(torch.bfloat16) for n, t in named if t.is_floating_point()}
     posts, comms = [], []
 
     def post(url, payload):
         posts.append((url, payload))
-        return {"ok": True}
+        return {}
 
-    def make_comm(host, port, world, device):
-        comms.append((host, port, world))
+    def make_comm(init_info):
+        comms.append(init_info)
         return FakeComm()
 
     cap = 6 * 1024
-    sender = rv.ServerWeightSender(["http://s0:8000", "http://s1:8000"], tp=2, device=torch.device("cpu"),
+    api = rv.VLLMApi(version)
+    urls = ["http://s0:8000", "http://s1:8000"]
+    sender = rv.ServerWeightSender(urls, tp=2, device=torch.device("cpu"), api=api, bucket_bytes=cap,
                                    post=post, make_communicator=make_comm, host="10.0.0.1")
-    eng = rv.VLLMServerEngine(["http://s0:8000", "http://s1:8000"], [2], tp=2, device=torch.device("cpu"),
-                              rank=0, post=post, sender=sender)
+    eng = rv.VLLMServerEngine(urls, [2], tp=2, device=torch.device("cpu"), rank=0, post=post, sender=sender)
     buckets = list(iter_buckets(named, cap))
     assert len(buckets) > 2
     eng.update_weights(iter(buckets))
 
-    assert comms == [("10.0.0.1", comms[0][1], 5)]  # world = rank 0 + 2 servers x tp 2
-    inits = sorted((u, p) for u, p in posts if u.endswith("/init"))
+    assert comms == [{"master_address": "10.0.0.1", "master_port": comms[0]["master_port"], "world_size": 5}]
+    inits = sorted((u, p["init_info"]) for u, p in posts if u.endswith("/init_weight_transfer_engine"))
     assert [p["rank_offset"] for _, p in inits] == [1, 3] and all(p["world_size"] == 5 for _, p in inits)
-    metas = [p for u, p in posts if u.endswith("/bucket")]
+    paths = [u.rsplit("/", 1)[1] for u, _ in posts if not u.endswith("/init_weight_transfer_engine")]
+    n = len(buckets)
+    assert sorted(paths[:2]) == ["start_weight_update"] * 2 and paths[2:-4] == ["update_weights"] * (2 * n)
+    assert paths[-4:] == ["finish_weight_update"] * 2 + ["reset_prefix_cache"] * 2
+    infos = [p["update_info"] for u, p in posts if u.endswith("/update_weights")]
     flats = sender.comm.flats
-    assert len(flats) == len(buckets) and len(metas) == 2 * len(buckets)  # every bucket to every server
+    assert len(flats) == n  # one broadcast per bucket: every bucket fits one vLLM chunk
     got = {}
     for k, flat in enumerate(flats):
-        m0, m1 = metas[2 * k], metas[2 * k + 1]
-        assert m0 == m1 and flat.numel() == m0["nbytes"]
-        assert m0["nbytes"] <= cap or len(m0["names"]) == 1
-        assert all(o % ALIGN == 0 for o in m0["offsets"])
-        for name, t in unflatten(flat, rv.BucketMeta.from_json(m0)):
+        i0, i1 = infos[2 * k], infos[2 * k + 1]
+        assert i0 == i1
+        sizes = [torch.Size(s).numel() * getattr(torch, d).itemsize for s, d in zip(i0["shapes"], i0["dtype_names"])]
+        assert flat.numel() == sum(sizes)
+        assert rv.chunk_runs(sizes, sender.buffer_bytes) == [range(len(sizes))]  # what vLLM will cut
+        chunk = rv.FlatChunk(flat, i0["names"], i0["dtype_names"], i0["shapes"], sizes)
+        for name, t in chunk.views():
             assert name not in got, f"{name} sent twice"
             got[name] = t
+        assert ("packed" in i0) == (not api.packed_at_init)
     assert got.keys() == want.keys()
-    for n, t in want.items():
-        assert got[n].dtype == t.dtype and torch.equal(got[n], t), n
-    assert metas[0]["dtypes"][0] == "float32" and "bfloat16" in sum((m["dtypes"] for m in metas), [])
-    assert sorted(u for u, _ in posts[-2:]) == ["http://s0:8000/fastcov/weight_sync/done",
-                                               "http://s1:8000/fastcov/weight_sync/done"]
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype and torch.equal(got[name], t), name  # floats travel as bf16
+    assert sender.stats["sync_bytes"] == sum(f.numel() for f in flats)
     eng.update_weights(iter(buckets[:1]))  # the group is set up once
     assert len(comms) == 1
     eng.close()
@@ -205,47 +317,141 @@ def test_server_weight_update_protocol_bucket_metadata():
 
 # ----------------------------------------------------------------------------------------- colocated, fake LLM
 
+class FakeSamplingParams:
+    def __init__(self, n=1, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0,
+                 max_tokens=16, logprobs=None, stop_token_ids=None, ignore_eos=False, detokenize=True, seed=None):
+        self.n, self.temperature, self.top_p, self.top_k, self.min_p = n, temperature, top_p, top_k, min_p
+        self.repetition_penalty, self.max_tokens, self.logprobs = repetition_penalty, max_tokens, logprobs
+        self.stop_token_ids, self.ignore_eos, self.detokenize, self.seed = stop_token_ids, ignore_eos, detokenize, seed
+
+
 class FakeLLM:
+    """vLLM's LLM with enable_sleep_mode and the fastcov_local weight-transfer backend, as the engine uses
+    it: sleep levels discard (2) or keep (1) the weights, update_weights needs them awake."""
+
     def __init__(self):
         self.events = []
-        self.worker = NS(model_runner=NS(model=NS(load_weights=self._load)))
-        self.loaded = []
+        self.weights: dict[str, torch.Tensor] = {}
+        self.asleep = set()
+        self.level = 0
+        self.updating = False
 
-    def _load(self, weights):
-        self.loaded += [n for n, _ in weights]
+    def sleep(self, level=1):
+        self.events.append(("sleep", level))
+        self.asleep, self.level = {"weights", "kv_cache"}, level
+        if level == 2:
+            self.weights = {n: torch.full_like(t, float("nan")) if t.is_floating_point() else t
+                            for n, t in self.weights.items()}
 
     def wake_up(self, tags=None):
         self.events.append(("wake", tuple(tags or ())))
+        self.asleep -= set(tags or ("weights", "kv_cache"))
 
-    def sleep(self, level):
-        self.events.append(("sleep", level))
+    def init_weight_transfer_engine(self, request):
+        assert request == {"init_info": {}}
+        self.events.append(("init",))
 
-    def collective_rpc(self, fn, args=()):
-        return [fn(self.worker, *args)]
+    def start_weight_update(self):
+        assert "weights" not in self.asleep and not self.updating
+        self.updating = True
+        self.events.append(("start",))
+
+    def update_weights(self, request):
+        assert self.updating
+        info = rv.LocalUpdateInfo(**request["update_info"])  # what vLLM's parse_update_info does
+        for name, t in info.weights:
+            self.weights[name] = t.clone()
+        self.events.append(("update", len(info.weights)))
+
+    def finish_weight_update(self):
+        self.updating = False
+        self.events.append(("finish",))
 
     def reset_prefix_cache(self):
         self.events.append(("reset",))
 
-    def generate(self, prompts, params, use_tqdm=True):
+    def generate(self, prompts, sampling_params=None, *, use_tqdm=True):
+        assert not self.asleep, "generate while asleep"
+        assert all(not torch.isnan(t).any() for t in self.weights.values()), "generate on discarded weights"
+        assert all(p.logprobs == 0 and p.detokenize is False and p.top_k == 0 for p in sampling_params)
         self.events.append(("generate", len(prompts)))
-        assert all(p.logprobs == 0 and p.detokenize is False for p in params)
-        return [NS(outputs=[NS(token_ids=[len(p["prompt_token_ids"]), 2],
-                               logprobs=[{len(p["prompt_token_ids"]): _lp(-1.0)}, {2: _lp(-2.0)}])])
+        return [_out([len(p["prompt_token_ids"]), 2], [{len(p["prompt_token_ids"]): _lp(-1.0)}, {2: _lp(-2.0)}])
                 for p in prompts]
 
 
-def test_colocated_engine_with_fake_llm():
+def _kinds(events):
+    return [e[0] for e in events]
+
+
+def test_colocated_engine_level2_sleep_and_weight_updates():
     llm = FakeLLM()
-    fake_vllm = NS(SamplingParams=lambda **kw: NS(**kw))
-    eng = rv.VLLMColocatedEngine(llm, fake_vllm, [2], torch.device("cpu"))
     model = torch.nn.Linear(4, 3)
-    eng.update_weights(iter_buckets(list(model.named_parameters()), 1 << 20))
-    assert llm.loaded == ["weight", "bias"] and llm.events == [("reset",)]
+    named = list(model.named_parameters())
+    eng = rv.VLLMColocatedEngine(llm, NS(SamplingParams=FakeSamplingParams), [2], torch.device("cpu"),
+                                 bucket_bytes=1 << 20, refresh=lambda: iter_buckets(named, 1 << 20))
+    assert eng.sleep_level == 2 and llm.events == [("sleep", 2)]  # dummy weights: GPU freed at once
+    with torch.no_grad():
+        model.weight.fill_(0.5)
+    eng.update_weights(iter_buckets(named, 1 << 20))
+    assert llm.events[1:] == [("wake", ("weights",)), ("init",), ("start",), ("update", 2), ("finish",), ("reset",)]
+    assert llm.weights["weight"].dtype == torch.bfloat16 and torch.all(llm.weights["weight"] == 0.5)
+    assert llm.asleep == {"kv_cache"}  # the KV cache stays asleep until generation
+
     g = torch.Generator().manual_seed(0)
     out = eng.generate([[1, 2, 3], [4]], SamplingParams(1.0, 1.0, 4), g)
     assert out.token_ids == [[3, 2], [1, 2]] and out.logprobs == [[-1.0, -2.0], [-1.0, -2.0]]
-    assert llm.events[1:] == [("generate", 2), ("sleep", 1)]
-    eng.update_weights([("weight", model.weight)])  # wakes the weights only, before loading
-    assert llm.events[3] == ("wake", ("weights",))
+    assert llm.events[-3:] == [("wake", ("kv_cache",)), ("generate", 2), ("sleep", 2)]
+    assert not eng.weights_valid  # level 2 discarded them
+
+    # a second generate without a push (evaluation after evaluation): the policy's weights are pushed again
+    n = len(llm.events)
     eng.generate([[5]], SamplingParams(1.0, 1.0, 4), g)
-    assert llm.events[5] == ("wake", ("kv_cache",)) and llm.events[-1] == ("sleep", 1)
+    assert _kinds(llm.events[n:]) == ["wake", "start", "update", "finish", "reset", "wake", "generate", "sleep"]
+    assert eng.stats["refreshes"] == 1  # (FakeLLM.generate refuses discarded weights)
+
+    # push, generate: no refresh
+    n = len(llm.events)
+    eng.update_weights(iter_buckets(named, 1 << 20))
+    eng.generate([[5]], SamplingParams(1.0, 1.0, 4), g)
+    assert eng.stats["refreshes"] == 1 and "init" not in _kinds(llm.events[n:])  # set up once
+
+
+def test_colocated_engine_without_refresh_sleeps_at_level1():
+    llm = FakeLLM()
+    model = torch.nn.Linear(4, 3)
+    eng = rv.VLLMColocatedEngine(llm, NS(SamplingParams=FakeSamplingParams), [2], torch.device("cpu"))
+    assert eng.sleep_level == 1
+    with pytest.raises(RuntimeError, match="no weights loaded"):
+        eng.generate([[1]], SamplingParams(1.0, 1.0, 4))
+    eng.update_weights([("weight", model.weight), ("bias", model.bias)])  # plain pairs: a bucket each
+    assert _kinds(llm.events).count("update") == 2
+    eng.generate([[1]], SamplingParams(1.0, 1.0, 4))
+    eng.generate([[1]], SamplingParams(0.0, 1.0, 4))  # level 1 kept the weights: no push in between
+    assert llm.events[-1] == ("sleep", 1) and _kinds(llm.events).count("update") == 2
+
+
+def test_colocated_update_copies_each_bucket_into_a_fresh_flat_buffer():
+    """vLLM's layerwise reload may hold a layer's tensors until its last one arrives: chunk views must not
+    alias a buffer the next bucket overwrites, nor the policy's own (ZeRO-3: released) storage."""
+    seen = []
+
+    class Recorder(FakeLLM):
+        def update_weights(self, request):
+            seen.append(request["update_info"]["weights"])
+            super().update_weights(request)
+
+    model, named = _model()
+    eng = rv.VLLMColocatedEngine(Recorder(), NS(SamplingParams=FakeSamplingParams), [2], torch.device("cpu"),
+                                 bucket_bytes=4096)
+    eng.update_weights(iter_buckets(named, 4096))
+    assert len(seen) > 2
+    ptrs = [{t.untyped_storage().data_ptr() for _, t in chunk} for chunk in seen]
+    assert all(len(p) == 1 for p in ptrs)  # one flat buffer per chunk
+    assert len({next(iter(p)) for p in ptrs}) == len(ptrs)  # never reused
+    policy = {t.untyped_storage().data_ptr() for _, t in named}
+    assert not policy & set().union(*ptrs)
+    got = {n: t for chunk in seen for n, t in chunk}
+    assert got.keys() == {n for n, t in named if t.is_floating_point()}
+    for n, t in named:
+        if t.is_floating_point():
+            assert torch.equal(got[n], t.detach().to(torch.bfloat16)), n
