@@ -103,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
         except ModuleNotFoundError as exc:
             if exc.name == module_name:
                 raise UsageError("not available in this version") from exc
+            if exc.name and exc.name.split(".")[0] != "fastcov":  # a dependency of the `train` extra
+                raise UserError(f"needs the 'train' extra (no module named {exc.name!r}): "
+                                f"pip install 'fastcov[train]'") from exc
             raise
         sub_parser = _Parser(prog=prog, description=help_text)
         module.add_arguments(sub_parser)
@@ -116,4 +119,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    # `python -m fastcov.cli` (the deepspeed/torchrun launchers): run the importable module's main, so
+    # that the UserError raised below is the class this handler catches, not a __main__ copy of it.
+    from fastcov.cli import main as _main
+
+    raise SystemExit(_main())

@@ -5,7 +5,10 @@ The metrics file holds one JSON object per line (one per step, in step order). R
 logged on evaluation steps. Blank lines are ignored. Prints a, b, R², ceiling and the hold-out RMSE;
 ``--plot`` saves a figure, ``--json`` writes the numbers.
 
-Exit status: 0 on success, 2 on a bad file or an impossible fit (message on stderr).
+A torn last line (a run killed mid-write: no newline, not JSON) is skipped with a note; any other bad
+line stops with its line number.
+
+Exit status: 0 on success, 2 on a bad file, argument or an impossible fit (one line on stderr).
 """
 
 from __future__ import annotations
@@ -44,39 +47,57 @@ def read_metrics(path: str | Path, x_key: str, y_key: str) -> tuple[list[float],
     ys: list[float] = []
     skipped = 0
     with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            line = line.strip()
-            if not line:
+        lines = fh.read().split("\n")
+    torn_possible = lines[-1] != ""  # no newline after the last line: a write was cut short
+    for lineno, line in enumerate(lines, start=1):
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            if torn_possible and lineno == len(lines):
+                skipped += 1  # the torn last line of a killed run
                 continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-            if row.get(x_key) is None or row.get(y_key) is None:
-                skipped += 1
-                continue
-            pair = []
-            for key in (x_key, y_key):
-                value = row[key]
-                if isinstance(value, bool) or not isinstance(value, (int, float)):
-                    raise ValueError(f"{path}:{lineno}: {key!r} must be a number, got {value!r}")
-                pair.append(float(value))
-            xs.append(pair[0])
-            ys.append(pair[1])
+            raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+        if row.get(x_key) is None or row.get(y_key) is None:
+            skipped += 1
+            continue
+        pair = []
+        for key in (x_key, y_key):
+            value = row[key]
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{path}:{lineno}: {key!r} must be a number, got {value!r}")
+            if not math.isfinite(value):
+                raise ValueError(f"{path}:{lineno}: {key!r} must be finite, got {value!r}")
+            pair.append(float(value))
+        xs.append(pair[0])
+        ys.append(pair[1])
     return xs, ys, skipped
 
 
 def run(args: argparse.Namespace) -> int:
     from fastcov.law import fit_entropy_law
 
+    from fastcov.cli import UsageError
+
     prog = "fastcov fit-law"
+    if not (math.isfinite(args.fit_fraction) and 0 < args.fit_fraction <= 1):
+        raise UsageError(f"--fit-fraction: must be in (0, 1], got {args.fit_fraction}")
+    for flag, out in (("--plot", args.plot), ("--json", args.json)):
+        if out and not Path(out).resolve().parent.is_dir():
+            raise UsageError(f"{flag}: the folder of {out!r} does not exist; create it first")
     try:
         xs, ys, skipped = read_metrics(args.metrics, args.x, args.y)
     except FileNotFoundError:
         print(f"{prog}: no such file: {args.metrics}", file=sys.stderr)
         return 2
+    except UnicodeDecodeError:
+        raise UsageError(f"{args.metrics}: not a UTF-8 JSON-lines file") from None
+    except OSError as exc:
+        raise UsageError(f"cannot read {args.metrics!r} ({exc.strerror or exc})") from None
     except ValueError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2

@@ -57,6 +57,8 @@ class ModelShape:
             )
         except KeyError as exc:
             raise ValueError(f"model config lacks {exc.args[0]!r}") from None
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"model config has a non-integer size ({exc})") from None
 
 
 # Published Qwen2.5 architectures (config.json of each checkpoint).
@@ -206,22 +208,47 @@ def load_model_shape(spec: str) -> ModelShape:
     if spec.endswith(".json") or "/" in spec:
         path = spec if spec.endswith(".json") else f"{spec.rstrip('/')}/config.json"
         try:
-            with open(path) as f:
-                return ModelShape.from_hf_config(json.load(f), name=spec)
+            with open(path, encoding="utf-8") as f:
+                config = json.load(f)
         except FileNotFoundError:
             raise ValueError(f"--model: no such config file {path!r}") from None
+        except OSError as exc:
+            raise ValueError(f"--model: cannot read {path!r} ({exc.strerror or exc})") from None
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"--model: {path!r} is not valid JSON ({getattr(exc, 'msg', exc)})") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"--model: {path!r} must hold a JSON object (a Hugging Face config.json)")
+        try:
+            return ModelShape.from_hf_config(config, name=spec)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"--model: {path!r}: {exc}") from None
     raise ValueError(f"--model: unknown preset {spec!r}; presets are {', '.join(QWEN25)} or a config.json path")
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    import math
+
+    for flag, value in (("--gpus", args.gpus), ("--tokens-per-gpu", args.tokens_per_gpu),
+                        ("--rollout-tp", args.rollout_tp)):
+        if value < 1:
+            raise ValueError(f"{flag}: must be >= 1, got {value}")
+    if args.kv_tokens is not None and args.kv_tokens < 0:
+        raise ValueError(f"--kv-tokens: must be >= 0, got {args.kv_tokens}")
+    if not (math.isfinite(args.gpu_memory) and args.gpu_memory > 0):
+        raise ValueError(f"--gpu-memory: must be a finite number of GiB > 0, got {args.gpu_memory}")
 
 
 def run(args: argparse.Namespace) -> int:
     try:
+        _check_args(args)
         model = load_model_shape(args.model)
         plan = plan_memory(model, gpus=args.gpus, tokens_per_gpu=args.tokens_per_gpu, zero_stage=args.zero,
                            gpu_memory_gib=args.gpu_memory, rollout_tp=args.rollout_tp,
                            kv_tokens_per_gpu=args.kv_tokens, gradient_checkpointing=not args.no_checkpointing)
     except ValueError as exc:
-        print(f"fastcov plan: {exc}")
-        return 2
+        from fastcov.cli import UsageError
+
+        raise UsageError(str(exc)) from None
     print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
     return 0 if plan.fits() else 1
 

@@ -72,7 +72,7 @@ def test_bad_arguments(kwargs, match):
 
 def test_unknown_model_is_a_clear_error(capsys):
     assert main(["plan", "--model", "gpt-9", "--gpus", "1", "--tokens-per-gpu", "1"]) == 2
-    assert "unknown preset 'gpt-9'" in capsys.readouterr().out
+    assert "unknown preset 'gpt-9'" in capsys.readouterr().err
 
 
 def test_cli_accepts_the_deepspeed_launchers_local_rank(monkeypatch, capsys):

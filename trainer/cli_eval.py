@@ -37,18 +37,36 @@ def run(args: argparse.Namespace) -> int:
     from fastcov.trainer.rollout import HFRolloutEngine
     from fastcov.trainer.train import evaluate
 
+    import math
+    from pathlib import Path
+
+    from fastcov.cli import UsageError, one_line
+    from fastcov.trainer.train import check_model_source
+
     if args.k < 1:
         print("fastcov eval: --k must be >= 1", file=sys.stderr)
         return 2
-    device = pick_device(args.device)
+    if not (math.isfinite(args.temperature) and args.temperature > 0):
+        raise UsageError(f"--temperature: must be a finite number > 0, got {args.temperature}")
+    for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--max-prompt-len", args.max_prompt_len),
+                        ("--batch-size", args.batch_size)):
+        if value < 1:
+            raise UsageError(f"{flag}: must be >= 1, got {value}")
+    if args.max_prompts < 0:
+        raise UsageError(f"--max-prompts: must be >= 0 (0 = all), got {args.max_prompts}")
     mcfg = ModelConfig(path=args.model)
+    check_model_source(mcfg, names=("--model", "--model"))
+    for f in args.data:
+        if not Path(f).is_file():
+            raise UsageError(f"--data: {f!r} does not exist or is not a file")
+    device = pick_device(args.device)
     try:
         tok = load_tokenizer(mcfg)
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         model = build_model(mcfg, device, dtype)
         examples, _ = load_examples(args.data, tok, args.max_prompt_len)
     except (ValueError, FileNotFoundError) as exc:
-        print(f"fastcov eval: {exc}", file=sys.stderr)
+        print(f"fastcov eval: {one_line(exc)}", file=sys.stderr)
         return 2
     if args.max_prompts:
         examples = examples[: args.max_prompts]

@@ -8,6 +8,9 @@
    (runs/demo/<algo>/metrics.jsonl);
 4. writes runs/demo/report.md and the plots (entropy.png, val_acc.png, law.png) and prints a summary.
 
+Running it again is safe: each algorithm's earlier run directory is moved aside to
+``runs/demo/<algo>.old-<time>`` (trainer --overwrite), nothing is deleted.
+
     python -m fastcov.trainer.demo [--out runs/demo] [--algos grpo,clip_cov,kl_cov] [KEY=VALUE ...]
 """
 
@@ -185,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(f"[demo] training {algo} (mode {cfg.algo.mode}, {cfg.trainer.max_steps} steps)", flush=True)
         t0 = time.perf_counter()
-        run_dirs.append(train(cfg))
+        # a second `make demo` moves the previous run aside (runs/demo/<algo>.old-<time>), never deletes it
+        run_dirs.append(train(cfg, overwrite=True))
         timings[algo] = time.perf_counter() - t0
 
     from fastcov.trainer.report import summarize

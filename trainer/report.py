@@ -11,11 +11,50 @@ import math
 from pathlib import Path
 from typing import Any
 
-from fastcov.trainer.metrics import read_metrics
+from fastcov.cli import UserError
+
+NUMERIC = ("entropy", "val_acc", "reward_mean", "selected_frac", "time/step", "skipped_steps")
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of a metrics.jsonl, checked: each a JSON object with an integer ``step`` and numbers (or
+    null) under the keys the report reads. A torn last line (a killed run: no newline, not JSON) is
+    skipped; any other bad line raises UserError naming the file, line and key."""
+    import json
+
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UserError(f"{str(path)!r} does not exist (is this a run directory?)") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"cannot read {str(path)!r} ({getattr(exc, 'strerror', None) or exc})") from None
+    lines = text.split("\n")
+    rows = []
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            if lineno == len(lines):  # no newline after it: the torn last line of a killed run
+                continue
+            raise UserError(f"{path}:{lineno}: not valid JSON; fix or remove the line") from None
+        if not isinstance(row, dict):
+            raise UserError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+        step = row.get("step")
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise UserError(f"{path}:{lineno}: 'step' must be an integer, got {step!r}")
+        for key in NUMERIC:
+            v = row.get(key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                raise UserError(f"{path}:{lineno}: {key!r} must be a number or null, got {v!r}")
+        rows.append(row)
+    return rows
 
 
 def summarize(run_dir: Path) -> dict[str, Any]:
-    recs = read_metrics(Path(run_dir) / "metrics.jsonl")
+    recs = read_rows(Path(run_dir) / "metrics.jsonl")
     train = [r for r in recs if r.get("entropy") is not None]
     evals = [r for r in recs if r.get("val_acc") is not None]
     out: dict[str, Any] = {
@@ -124,6 +163,8 @@ def plot_runs(summaries: list[dict[str, Any]], out_dir: Path) -> list[Path]:
 def write_report(run_dirs: list[Path], out_dir: Path, title: str = "fastcov report",
                  preamble: str = "") -> tuple[Path, list[dict[str, Any]]]:
     out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"--out: {str(out_dir)!r} is a file; give a directory for report.md and the plots")
     out_dir.mkdir(parents=True, exist_ok=True)
     summaries = [summarize(Path(d)) for d in run_dirs]
     plots = plot_runs(summaries, out_dir)

@@ -103,10 +103,11 @@ def prepare_run_dir(run_dir: Path, overwrite: bool) -> Path | None:
     return moved
 
 
-def check_model_source(mcfg) -> None:
+def check_model_source(mcfg, names: tuple[str, str] = ("model.path", "model.tokenizer")) -> None:
     """A local model/tokenizer path that cannot be a Hugging Face directory stops here, before any
-    download or write. Hub ids (``org/name`` that is not a local path) are left to transformers."""
-    for key, value in (("model.path", mcfg.path), ("model.tokenizer", mcfg.tokenizer)):
+    download or write. Hub ids (``org/name`` that is not a local path) are left to transformers.
+    ``names``: how the error calls the model and tokenizer settings (config keys, or CLI flags)."""
+    for key, value in zip(names, (mcfg.path, mcfg.tokenizer)):
         if value is None or value.startswith("builtin:"):
             continue
         p = Path(value).expanduser()
@@ -117,7 +118,7 @@ def check_model_source(mcfg) -> None:
             raise ConfigError(f"{key}: {value!r} does not exist; give a Hugging Face model directory or hub id")
         if not p.is_dir():
             raise ConfigError(f"{key}: {value!r} is a file; give the model's directory (with config.json)")
-        if key == "model.path" and not (p / "config.json").is_file():
+        if value == mcfg.path and not (p / "config.json").is_file():
             raise ConfigError(f"{key}: {value!r} is not a Hugging Face model directory (no config.json)")
 
 
