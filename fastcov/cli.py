@@ -103,9 +103,6 @@ def main(argv: list[str] | None = None) -> int:
         except ModuleNotFoundError as exc:
             if exc.name == module_name:
                 raise UsageError("not available in this version") from exc
-            if exc.name and exc.name.split(".")[0] != "fastcov":  # a dependency of the `train` extra
-                raise UserError(f"needs the 'train' extra (no module named {exc.name!r}): "
-                                f"pip install 'fastcov[train]'") from exc
             raise
         sub_parser = _Parser(prog=prog, description=help_text)
         module.add_arguments(sub_parser)
@@ -116,6 +113,12 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"{prog}: {one_line(exc)}", file=sys.stderr)
         return exc.exit_code
+    except ModuleNotFoundError as exc:  # a dependency of the `train` extra (yaml, deepspeed, transformers...)
+        if debug or not exc.name or exc.name.split(".")[0] == "fastcov":
+            raise
+        print(f"{prog}: needs the 'train' extra (no module named {exc.name!r}): pip install 'fastcov[train]'",
+              file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

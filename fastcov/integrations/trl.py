@@ -1,5 +1,6 @@
 """TRL: GRPO with fastcov's fused log-probs/entropies and its Clip-Cov / KL-Cov / vanilla policy losses.
 
+    pip install 'fastcov[trl]'                  # trl>=1.16,<2 (checked at import, in one line)
     from fastcov.integrations.trl import FastcovGRPOConfig, FastcovGRPOTrainer
     args = FastcovGRPOConfig(output_dir="out", fastcov_loss_mode="kl_cov", kl_cov_ratio=2e-3)
     trainer = FastcovGRPOTrainer(model=model, reward_funcs=reward_fn, args=args, train_dataset=ds)
@@ -54,7 +55,7 @@ import torch
 from fastcov.integrations._require import require
 from fastcov.losses import LossConfig, Selection, aggregate_loss, compute_global_selection, policy_loss
 
-require("trl", "trl", "trl")
+require("trl", "trl", "'fastcov[trl]'", minimum="1.16", below="2")  # FastcovGRPOConfig reads 1.16's options
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from fastcov.integrations.transformers import (  # noqa: E402
