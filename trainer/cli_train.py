@@ -26,13 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import sys
 
-    from fastcov.trainer.config import ConfigError, load_config
+    from fastcov.trainer.config import load_config
 
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as exc:
-        print(f"fastcov train: {exc}", file=sys.stderr)
-        return 2
+    cfg = load_config(args.config, args.overrides)  # a ConfigError is one line from fastcov.cli.main
     if args.print_config:
         import yaml
 

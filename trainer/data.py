@@ -45,6 +45,8 @@ def _messages(value: Any, where: str) -> list[dict[str, str]]:
     if value is None:
         raise DataError(f"{where}: column 'prompt' is null; give a list of {{role, content}} messages")
     try:
+        if any(m["role"] is None or m["content"] is None for m in value):
+            raise KeyError("null role or content")
         msgs = [{"role": str(m["role"]), "content": str(m["content"])} for m in value]
     except (TypeError, KeyError, IndexError):
         raise DataError(f"{where}: column 'prompt' must be a list of {{role, content}} messages") from None
