@@ -544,15 +544,21 @@ def check_local_backend(idx: SourceIndex, source: str) -> list[str]:
     return p
 
 
-OUTPUT_ATTRS = {  # what request_outputs_to_batch reads
-    "vllm.outputs.RequestOutput": ("outputs",),
+OUTPUT_ATTRS = {  # what request_outputs_to_batch reads (prompt_logprobs: bench/vllm_smoke.py's scoring)
+    "vllm.outputs.RequestOutput": ("outputs", "prompt_logprobs"),
     "vllm.outputs.CompletionOutput": ("token_ids", "logprobs"),
     "vllm.logprobs.Logprob": ("logprob",),
 }
 
 
 def check_outputs(idx: SourceIndex) -> list[str]:
-    p = []
+    p = [] if idx.resolve("vllm.__version__") is not None else ["vllm.__version__: not found"]
+    sp = _class(idx, "vllm.SamplingParams")
+    if sp is None or "prompt_logprobs" not in idx.fields(sp):  # bench/vllm_smoke.py scores fixed tokens
+        p.append("vllm.SamplingParams.prompt_logprobs: not found")
+    q = idx.resolve("vllm.model_executor.models.qwen2.Qwen2ForCausalLM.load_weights")  # fastcov_local loads
+    if q is None or q.kind != "function" or len(signature(q.node).positional) != 1:
+        p.append("Qwen2ForCausalLM.load_weights(weights): not found")
     for path, attrs in OUTPUT_ATTRS.items():
         cls = _class(idx, path)
         for a in attrs:

@@ -48,6 +48,7 @@ temperature-1 value (docs/vllm.md). Names pass through unchanged (weight_sync).
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -753,7 +754,10 @@ def make_vllm_engine(cfg, model, tokenizer, *, device: torch.device, rank: int =
 
     model_dir = Path(cfg.trainer.run_dir) / "vllm" / f"rank{rank}"
     model_dir.mkdir(parents=True, exist_ok=True)
-    model.config.save_pretrained(model_dir)
+    hf_config = copy.deepcopy(model.config)  # vLLM picks its model class from `architectures`
+    if not getattr(hf_config, "architectures", None):
+        hf_config.architectures = [type(model).__name__]
+    hf_config.save_pretrained(model_dir)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine (and worker) in this process
     register_local_backend()
     llm = vllm.LLM(**colocated_llm_kwargs(cfg, str(model_dir)))
