@@ -243,5 +243,5 @@ def test_trainer_refuses_a_plain_grpo_config(tmp_path):
 def test_missing_trl_gives_a_clear_import_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "trl", None)
     monkeypatch.delitem(sys.modules, "fastcov.integrations.trl")
-    with pytest.raises(ImportError, match="pip install trl"):
+    with pytest.raises(ImportError, match=r"pip install 'fastcov\[trl\]'"):
         importlib.import_module("fastcov.integrations.trl")

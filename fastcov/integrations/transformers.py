@@ -125,7 +125,10 @@ def _configs(model):
     config = getattr(model, "config", None)
     if config is None:
         return []
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    try:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    except ValueError:  # several text configs (e.g. music models): check the top-level config only
+        text = config
     return [("config", config)] + ([("config.text_config", text)] if text is not config else [])
 
 
@@ -152,8 +155,9 @@ def _decoder_and_head(model, *, allow_unlisted: bool = False):
                               if any(child is head for child in module.children())), ("?", None))
         others = [f"{owner}.{name}" for name, child in getattr(parent, "named_children", lambda: [])()
                   if child is not head]
-        _refuse(model, f"computes its logits in the head module {owner!r} ({type(parent).__name__}), which has "
-                       f"other layers around the output embedding: {', '.join(others) or 'its own forward'}")
+        where = f"head module {owner!r} ({type(parent).__name__})"
+        _refuse(model, f"computes its logits in the {where} with other layers: {', '.join(others)}" if others
+                else f"computes its logits in the forward of its {where}, not with the output embedding alone")
     if type(head) is not torch.nn.Linear:
         _refuse(model, f"has an output embedding {head_name!r} of type {type(head).__name__}, not a plain "
                        f"torch.nn.Linear")
