@@ -244,16 +244,45 @@ def check_checkpoint(path: Path, rank: int = 0) -> dict[str, Any]:
     return state
 
 
+# Plain data classes DeepSpeed pickles into its ZeRO optimizer files; the weights-only unpickler may
+# rebuild these (and only these) besides tensors and builtin containers. Named, never imported from data.
+_DEEPSPEED_DATA_CLASSES = (
+    ("deepspeed.utils.tensor_fragment", "fragment_address"),
+    ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
+    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
+    ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
+)
+
+
+def _deepspeed_safe_globals() -> list:
+    import importlib
+
+    found = []
+    for module, name in _DEEPSPEED_DATA_CLASSES:
+        try:
+            found.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):
+            continue
+    return found
+
+
 @contextlib.contextmanager
 def _weights_only_loads(policy_engine):
-    """DeepSpeed reads its files with ``weights_only=False``; route them through ``weights_only=True``."""
+    """DeepSpeed reads its files with ``weights_only=False``; route them through ``weights_only=True``
+    (with DeepSpeed's own data classes allowed), so a checkpoint from elsewhere cannot run code."""
     ce = getattr(getattr(policy_engine, "engine", None), "checkpoint_engine", None)
     if ce is None or not hasattr(ce, "load"):
         yield
         return
+    allowed = _deepspeed_safe_globals()
+
+    scoped = getattr(torch.serialization, "safe_globals", None)  # torch >= 2.5
+    if scoped is None:
+        torch.serialization.add_safe_globals(allowed)
 
     def load(path, map_location=None):
-        return torch.load(path, map_location=map_location, weights_only=True)
+        with scoped(allowed) if scoped is not None else contextlib.nullcontext():
+            return torch.load(path, map_location=map_location, weights_only=True)
 
     ce.load = load
     try:
