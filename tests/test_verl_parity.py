@@ -277,3 +277,23 @@ def test_global_tokens_equals_verls_batch_num_tokens(verl_core):
     )
     torch.testing.assert_close(ours[0], theirs[0], rtol=1e-7, atol=1e-12)
     torch.testing.assert_close(ours[1], theirs[1], rtol=1e-7, atol=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["kl_cov", "vanilla"])
+@pytest.mark.parametrize("factor", [None, 512, 7.5])
+def test_loss_scale_factor_as_verls(verl_core, mode, factor):
+    """seq-mean-token-sum-norm divides by loss_scale_factor (verl: global_batch_info), else by the padded length."""
+    logprob, old_logprob, advantages, mask = _batch(seed=13)
+    config = LossConfig(kl_cov_ratio=0.05, dual_clip_c=3.0 if mode == "vanilla" else None, loss_scale_factor=factor)
+    agg = "seq-mean-token-sum-norm"
+    ours = _loss_and_grad(
+        lambda lp: policy_loss(lp, old_logprob, advantages, mask, mode=mode, agg=agg, config=config), logprob
+    )
+    verl_fn = getattr(verl_core, f"compute_policy_loss_{mode}")
+    theirs = _loss_and_grad(
+        lambda lp: verl_fn(old_logprob, lp, advantages, mask, loss_agg_mode=agg,
+                           config=_verl_config(config, {"loss_scale_factor": factor})),
+        logprob,
+    )
+    torch.testing.assert_close(ours[0], theirs[0], rtol=1e-7, atol=1e-12)
+    torch.testing.assert_close(ours[1], theirs[1], rtol=1e-7, atol=1e-12)
