@@ -476,3 +476,63 @@ def test_logprob_parity_after_weight_sync_gpu(tmp_path):
 
     res = vllm_smoke.run("tiny", out=tmp_path)
     assert res["ok"], json.dumps(res, indent=1)
+
+
+def test_server_engine_over_real_http():
+    """The same protocol through post_json against a local HTTP server with vLLM's routes (no vLLM):
+    requests arrive at the paths vLLM serves, in order; a missing route names VLLM_SERVER_DEV_MODE."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    seen = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def _reply(self, code, body):
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            seen.append(("GET", self.path, None))
+            self._reply(200, {"data": [{"id": "policy"}]})
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+            seen.append(("POST", self.path, body))
+            if self.path == "/v1/completions":
+                self._reply(200, {"choices": [{"index": i, "logprobs": {"tokens": ["token_id:2"],
+                                                                      "token_logprobs": [-0.5]}}
+                                              for i in range(len(body["prompt"]))]})
+            elif self.path in rv.ROUTES:
+                self._reply(200, {"message": "ok"})
+            else:
+                self._reply(404, {"detail": "Not Found"})
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        sender = rv.ServerWeightSender([url], tp=1, device=torch.device("cpu"), api=rv.VLLMApi("0.33.0"),
+                                       bucket_bytes=1 << 20, make_communicator=lambda info: FakeComm(),
+                                       host="127.0.0.1")
+        eng = rv.VLLMServerEngine([url], [2], tp=1, device=torch.device("cpu"), rank=0, sender=sender)
+        out = eng.generate([[1, 2], [3]], SamplingParams(1.0, 1.0, 4))
+        assert out.token_ids == [[2], [2]] and out.logprobs == [[-0.5], [-0.5]]
+        eng.update_weights(iter_buckets(list(torch.nn.Linear(3, 2).named_parameters()), 1 << 20))
+        paths = [p for m, p, _ in seen if m == "POST" and p != "/v1/completions"]
+        assert paths == list(rv.ROUTES)  # one bucket: every route once, in order
+        init = next(b for _, p, b in seen if p == "/init_weight_transfer_engine")["init_info"]
+        assert init["packed"] is True and init["rank_offset"] == 1 and init["world_size"] == 2
+        with pytest.raises(RuntimeError, match="HTTP 404.*VLLM_SERVER_DEV_MODE=1"):
+            rv.post_json(url + "/pause", {})
+        eng.close()
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -55,13 +55,15 @@ def fetch(dest: Path, versions) -> None:
                    "--platform", "manylinux_2_28_x86_64", "--python-version", "3.12", "-d", tmp, f"vllm=={v}"]
             subprocess.run(cmd, check=True)
             wheel = next(Path(tmp).glob("vllm-*.whl"))
-            if out.exists():
-                shutil.rmtree(out)
+            part = dest / f".{v}.partial"  # renamed into place once complete: no half-extracted tree
+            shutil.rmtree(part, ignore_errors=True)
             with zipfile.ZipFile(wheel) as z:
                 for name in z.namelist():
                     if name.startswith("vllm/") and name.endswith(".py"):
-                        z.extract(name, out)
-        (out / ".complete").write_text(v + "\n")
+                        z.extract(name, part)
+            (part / ".complete").write_text(v + "\n")
+            shutil.rmtree(out, ignore_errors=True)
+            part.rename(out)
         print(f"vLLM {v} source: {out}")
 
 
