@@ -1,0 +1,361 @@
+"""Run an untrusted program (a policy's code answer) in a sandboxed process.
+
+    box = Sandbox(SandboxLimits(cpu_s=2, wall_s=5, memory_mb=256))
+    res = box.run_python("print(int(input()) * 2)", stdin="21\\n")
+    res.status, res.stdout          # ("ok", "42\\n")
+
+What confines the program (each piece is tested with a hostile program in tests/test_sandbox.py):
+
+* a separate process, started through ``_sandbox_launcher.py`` (standard library only), whose process
+  group is SIGKILLed when ``wall_s`` runs out;
+* resource limits: CPU seconds (RLIMIT_CPU: SIGXCPU), address space (RLIMIT_AS: MemoryError), file size
+  (RLIMIT_FSIZE: EFBIG), open files, process count (RLIMIT_NPROC) and no core dumps;
+* an empty network namespace (only a loopback device, down) and a pid namespace whose init takes every
+  leftover process with it; created directly as root, inside a user namespace otherwise. When the OS
+  refuses namespaces the program runs without them and a one-time warning says so;
+* Landlock (Linux ≥ 5.13): writes only inside the program's temporary directory; TCP bind/connect denied
+  (Landlock ABI ≥ 4, a second network barrier); no signals to, and no /proc/<pid>/environ of, processes
+  outside the sandbox; a one-time warning when the kernel has no Landlock;
+* when the trainer runs as root, the program runs as ``nobody`` (RLIMIT_NPROC does not bind root),
+  with an interpreter that user can execute (``/usr/bin/python3`` when the trainer's is under /root);
+* a scrubbed environment (PATH, LANG, HOME/TMPDIR = the work dir; nothing of the parent's), Python's
+  isolated mode (-I), stdin from the caller, stdout/stderr read with a byte cap (``max_output_bytes``:
+  a program that prints without end is killed with status ``output_limit``);
+* a fresh temporary working directory, removed afterwards (whatever the program left in it).
+
+Statuses: ``ok`` (exit 0), ``error`` (non-zero exit or uncaught exception), ``timeout`` (wall clock),
+``cpu_limit``, ``memory_limit``, ``file_size_limit``, ``output_limit``, ``sandbox_error`` (the isolation
+could not be set up; the program did not run).
+
+Remote backend: ``SandboxFusionClient(url)`` posts the same program to a SandboxFusion server (the
+``/run_code`` API verl uses: ``reward.sandbox_fusion_url``) instead of running it here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+LAUNCHER = Path(__file__).with_name("_sandbox_launcher.py")
+SETUP_FAILED = 199
+NOBODY = 65534
+
+_warned: set[str] = set()
+_caps_lock = threading.Lock()
+_caps: dict | None = None
+
+
+def _warn_once(key: str, msg: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+
+@dataclass
+class SandboxLimits:
+    cpu_s: float = 2.0  # CPU seconds (rounded up to whole seconds)
+    wall_s: float = 6.0  # wall clock, then SIGKILL
+    memory_mb: int = 256  # RLIMIT_AS
+    file_size_mb: float = 8.0  # RLIMIT_FSIZE: largest file the program may write
+    nproc: int = 8  # RLIMIT_NPROC (processes of the program's user in its namespace)
+    nofile: int = 64  # open files
+    max_output_bytes: int = 1 << 20  # stdout cap; stderr keeps its first 64 KiB
+
+
+@dataclass
+class SandboxResult:
+    status: str
+    returncode: int | None
+    stdout: str
+    stderr: str
+    wall_s: float
+    workdir: str = ""  # where it ran (already removed)
+    isolation: dict = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+# ------------------------------------------------------------------------------------------ capabilities
+
+def _others_can_exec(path: str) -> bool:
+    """Whether a user other than the owner (and outside its group) can run ``path``: x for others on the
+    file and on every directory above it."""
+    p = Path(os.path.realpath(path))
+    try:
+        if not p.stat().st_mode & stat.S_IXOTH:
+            return False
+        return all(d.stat().st_mode & stat.S_IXOTH for d in p.parents)
+    except OSError:
+        return False
+
+
+def _python_for(drop_uid: bool) -> str | None:
+    """An interpreter the program's user can execute."""
+    candidates = [os.path.realpath(sys.executable)]
+    if drop_uid:
+        candidates += ["/usr/bin/python3", shutil.which("python3") or ""]
+        return next((c for c in candidates if c and _others_can_exec(c)), None)
+    return candidates[0]
+
+
+def _landlock_abi() -> int:
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        v = libc.syscall(444, None, ctypes.c_size_t(0), ctypes.c_uint32(1))
+        return max(0, int(v))
+    except (OSError, AttributeError):
+        return 0
+
+
+def capabilities() -> dict:
+    """What isolation this machine allows (probed once per process by running a trivial program).
+
+    Keys: namespaces (network + pid namespaces work), landlock (Landlock ABI, 0 = none), drop_uid (running
+    as root: the program runs as nobody), python (its interpreter), nproc_enforced (RLIMIT_NPROC binds the
+    program's user). Warns once for each missing barrier.
+    """
+    global _caps
+    with _caps_lock:
+        if _caps is not None:
+            return _caps
+        root = os.geteuid() == 0
+        python = _python_for(drop_uid=root)
+        drop = root and python is not None
+        if root and python is None:
+            python = os.path.realpath(sys.executable)
+            _warn_once("uid", "sandbox: running as root and no Python interpreter is executable by 'nobody'; "
+                              "programs run as root, where RLIMIT_NPROC (the fork limit) does not apply")
+        caps = {"landlock": _landlock_abi(), "drop_uid": drop, "python": python, "namespaces": True}
+        _caps = caps  # _spawn reads it
+        probe = _run(["-c", "print('ok')"], "", SandboxLimits(cpu_s=5, wall_s=30), caps)
+        if probe.status != "ok":
+            caps["namespaces"] = False
+            probe2 = _run(["-c", "print('ok')"], "", SandboxLimits(cpu_s=5, wall_s=30), caps)
+            if probe2.status != "ok":
+                _caps = None
+                raise RuntimeError(f"sandbox: cannot start a sandboxed Python at all: {probe2.stderr.strip()[:500]}")
+            _warn_once("ns", "sandbox: this OS refuses new network/pid namespaces "
+                             f"({probe.stderr.strip()[:200] or probe.status}); programs run WITHOUT network "
+                             "isolation" + (" (Landlock still denies TCP)" if caps["landlock"] >= 4 else "")
+                             + " and forks are reaped by process group only")
+        if not caps["landlock"]:
+            _warn_once("landlock", "sandbox: the kernel has no Landlock; writes outside the work dir and reads "
+                                   "of other processes' /proc entries are limited only by file permissions")
+        caps["nproc_enforced"] = (not root) or drop
+        return caps
+
+
+# ------------------------------------------------------------------------------------------ running
+
+def _scrubbed_env(workdir: str) -> dict[str, str]:
+    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "HOME": workdir,
+            "TMPDIR": workdir, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONIOENCODING": "utf-8"}
+
+
+def _run(args: list[str], stdin: str, limits: SandboxLimits, caps: dict,
+         files: dict[str, str] | None = None) -> SandboxResult:
+    """Run ``python -I <args>`` in a fresh work dir holding ``files``; the work dir is removed afterwards."""
+    workdir = tempfile.mkdtemp(prefix="fastcov-sbx-")
+    try:
+        os.chmod(workdir, 0o700)
+        for name, text in (files or {}).items():
+            Path(workdir, name).write_text(text, encoding="utf-8")
+        if caps["drop_uid"]:
+            for p in [workdir] + [str(Path(workdir, n)) for n in (files or {})]:
+                os.chown(p, NOBODY, NOBODY)
+        spec = {
+            "argv": [caps["python"], "-I", *args], "workdir": workdir,
+            "cpu_s": limits.cpu_s, "memory_bytes": int(limits.memory_mb * 2**20),
+            "fsize_bytes": int(limits.file_size_mb * 2**20), "nofile": limits.nofile, "nproc": limits.nproc,
+            "netns": caps["namespaces"], "pidns": caps["namespaces"], "landlock": caps["landlock"] > 0,
+            "uid": NOBODY if caps["drop_uid"] else None, "gid": NOBODY if caps["drop_uid"] else None,
+        }
+        res = _spawn(spec, stdin, limits)
+        res.workdir = workdir
+        res.isolation = {"namespaces": caps["namespaces"], "landlock": caps["landlock"],
+                         "uid": "nobody" if caps["drop_uid"] else os.geteuid()}
+        return res
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _spawn(spec: dict, stdin: str, limits: SandboxLimits) -> SandboxResult:
+    launcher_python = os.path.realpath(sys.executable)
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        [launcher_python, "-I", "-S", str(LAUNCHER), json.dumps(spec)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=spec["workdir"],
+        env=_scrubbed_env(spec["workdir"]), start_new_session=True, close_fds=True,
+    )
+
+    def feed():
+        try:
+            proc.stdin.write(stdin.encode("utf-8"))
+        except (BrokenPipeError, OSError):
+            pass  # the program closed stdin or exited
+        finally:
+            try:
+                proc.stdin.close()
+            except OSError:
+                pass
+
+    feeder = threading.Thread(target=feed, daemon=True)
+    feeder.start()
+    out, err = bytearray(), bytearray()
+    err_cap = 64 * 1024
+    over = timed_out = False
+    deadline = t0 + limits.wall_s
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ, "out")
+    sel.register(proc.stderr, selectors.EVENT_READ, "err")
+    open_streams = 2
+    while open_streams:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            timed_out = True
+            break
+        for key, _ in sel.select(timeout=min(left, 0.5)):
+            chunk = os.read(key.fileobj.fileno(), 65536)
+            if not chunk:
+                sel.unregister(key.fileobj)
+                open_streams -= 1
+                continue
+            if key.data == "out":
+                out += chunk
+                if len(out) > limits.max_output_bytes:
+                    over = True
+            elif len(err) < err_cap:
+                err += chunk[: err_cap - len(err)]
+        if over:
+            break
+    # both streams closed (or a limit hit): wait for the exit within what is left of the wall clock
+    if not (timed_out or over):
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+    if timed_out or over:
+        _kill_group(proc)
+    proc.wait()
+    sel.close()
+    for stream in (proc.stdout, proc.stderr):
+        stream.close()
+    feeder.join(timeout=1.0)
+    wall = time.monotonic() - t0
+    rc = proc.returncode
+    stdout = bytes(out[: limits.max_output_bytes]).decode("utf-8", "replace")
+    stderr = bytes(err).decode("utf-8", "replace")
+    return SandboxResult(_status(rc, stderr, timed_out, over), rc, stdout, stderr, wall)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _signal_of(rc: int | None) -> int | None:
+    if rc is None:
+        return None
+    if rc < 0:
+        return -rc
+    if 128 < rc < 128 + 65 and rc != SETUP_FAILED:
+        return rc - 128
+    return None
+
+
+def _status(rc: int | None, stderr: str, timed_out: bool, over: bool) -> str:
+    if over:
+        return "output_limit"
+    if timed_out:
+        return "timeout"
+    if rc == SETUP_FAILED and "fastcov-sandbox:" in stderr:
+        return "sandbox_error"
+    sig = _signal_of(rc)
+    if sig == signal.SIGXCPU or (sig == signal.SIGKILL and "MemoryError" not in stderr and rc != 0):
+        return "cpu_limit" if sig == signal.SIGXCPU else "error"
+    if sig == signal.SIGXFSZ or "File too large" in stderr:
+        return "file_size_limit"
+    if "MemoryError" in stderr or "Cannot allocate memory" in stderr:
+        return "memory_limit"
+    return "ok" if rc == 0 else "error"
+
+
+class Sandbox:
+    """Runs Python programs under ``limits`` with whatever isolation ``capabilities()`` found."""
+
+    def __init__(self, limits: SandboxLimits | None = None):
+        self.limits = limits or SandboxLimits()
+        self.caps = capabilities()
+
+    def run_python(self, code: str, stdin: str = "") -> SandboxResult:
+        return _run(["main.py"], stdin, self.limits, self.caps, files={"main.py": code})
+
+
+class SandboxFusionClient:
+    """A SandboxFusion server's ``/run_code`` API (what verl calls ``sandbox_fusion.url``).
+
+    ``url``: the full endpoint, e.g. ``http://host:8080/run_code``. Returns a ``SandboxResult`` with the
+    statuses above (``sandbox_error`` when the server cannot be reached or reports its own error).
+    """
+
+    def __init__(self, url: str, limits: SandboxLimits | None = None, request_timeout_s: float = 30.0):
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"sandbox_fusion_url must start with http:// or https://, got {url!r}")
+        self.url = url
+        self.limits = limits or SandboxLimits()
+        self.request_timeout_s = request_timeout_s
+
+    def request_body(self, code: str, stdin: str) -> dict:
+        return {"code": code, "stdin": stdin, "language": "python", "compile_timeout": 10,
+                "run_timeout": self.limits.wall_s, "memory_limit_MB": int(self.limits.memory_mb)}
+
+    def run_python(self, code: str, stdin: str = "") -> SandboxResult:
+        import urllib.error
+        import urllib.request
+
+        t0 = time.monotonic()
+        req = urllib.request.Request(self.url, data=json.dumps(self.request_body(code, stdin)).encode(),
+                                     headers={"Content-Type": "application/json"}, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=self.request_timeout_s) as resp:
+                body = json.loads(resp.read().decode("utf-8", "replace"))
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            return SandboxResult("sandbox_error", None, "", f"SandboxFusion request failed: {exc}",
+                                 time.monotonic() - t0)
+        return self.parse_response(body, time.monotonic() - t0)
+
+    @staticmethod
+    def parse_response(body: dict, wall: float = 0.0) -> SandboxResult:
+        run = body.get("run_result") or {}
+        out, err = run.get("stdout") or "", run.get("stderr") or ""
+        rc = run.get("return_code")
+        api, run_status = body.get("status"), run.get("status")
+        if api == "SandboxError":
+            status = "sandbox_error"
+        elif run_status == "TimeLimitExceeded":
+            status = "timeout"
+        elif api == "Success" and rc == 0:
+            status = "ok"
+        elif "MemoryError" in err:
+            status = "memory_limit"
+        else:
+            status = "error"
+        return SandboxResult(status, rc, out, err, wall, isolation={"remote": True})
