@@ -268,7 +268,7 @@ def _deepspeed_safe_globals() -> list:
 
 @contextlib.contextmanager
 def _weights_only_loads(policy_engine):
-    """DeepSpeed reads its files with ``weights_only=False``; route them through ``weights_only=True``
+    """DeepSpeed's own loader unpickles any object; route its reads through ``weights_only=True``
     (with DeepSpeed's own data classes allowed), so a checkpoint from elsewhere cannot run code."""
     ce = getattr(getattr(policy_engine, "engine", None), "checkpoint_engine", None)
     if ce is None or not hasattr(ce, "load"):
