@@ -78,8 +78,9 @@ def _worker(rank: int, world: int, port: int, spec: dict, out: str) -> None:
     torch.manual_seed(0)
     tok = load_tokenizer(cfg.model)
     lm = build_model(cfg.model, cpu, torch.float32, tok)
-    rollout = make_rollout_engine(cfg, lm, tok, device=cpu, rank=rank, world=world)
     engine = PolicyEngine(PolicyModel(lm), cfg, cpu, world)
+    # the HF engine's own copy (what ZeRO-3 runs use) is the sync target at every stage measured here
+    rollout = make_rollout_engine(cfg, engine.policy.lm, tok, device=cpu, rank=rank, world=world, zero_stage=3)
     params = list(engine.policy.lm.parameters())
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in params)
     rows = []

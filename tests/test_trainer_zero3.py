@@ -56,9 +56,13 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             assert full.numel() > 0, f"{name} was not gathered"
             max_diff = max(max_diff, float((own[name] - full).abs().max()))
             changed += int(not torch.equal(own[name], initial[name]))
+        # the rollout copy was built empty: its buffers (rotary frequencies) must have come with the sync
+        policy_buffers = dict(engine.policy.lm.named_buffers())
+        buffers_equal = all(torch.equal(b, policy_buffers[n]) for n, b in rollout.model.named_buffers())
         local = sum(p.ds_tensor.numel() for p in engine.policy.parameters() if hasattr(p, "ds_tensor"))
         total = sum(p.ds_numel for p in engine.policy.parameters() if hasattr(p, "ds_numel"))
-        result.update(max_diff=max_diff, changed=changed, n=n, partitioned=local < total)
+        result.update(max_diff=max_diff, changed=changed, n=n, partitioned=local < total,
+                      buffers_equal=buffers_equal, shares=rollout.shares_policy)
 
     train_mod.train(cfg, on_end=on_end)
     with open(Path(out_dir) / f"rank{rank}.json", "w") as f:
@@ -75,7 +79,7 @@ def test_two_process_zero3_step_syncs_rollout_weights(tmp_path):
         res = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert res["partitioned"], "ZeRO-3 should shard the parameters"
         assert res["n"] > 5
-        assert res["max_diff"] == 0.0
+        assert res["max_diff"] == 0.0 and res["buffers_equal"] and not res["shares"]
         assert res["changed"] > 0, "the optimizer step should have changed the weights"
     recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert recs[-1]["step"] == 1 and recs[-1]["applied_steps"] == 1

@@ -217,8 +217,8 @@ def _zero3_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.manual_seed(0)
     tok = load_tokenizer(cfg.model)
     lm = build_model(cfg.model, device, torch.float32, tok)
-    rollout = make_rollout_engine(cfg, lm, tok, device=device, rank=rank, world=world)
     engine = PolicyEngine(PolicyModel(lm), cfg, device, world)
+    rollout = make_rollout_engine(cfg, engine.policy.lm, tok, device=device, rank=rank, world=world, zero_stage=3)
     with torch.no_grad():  # the rollout copy must really be overwritten by the sync
         for p in rollout.model.parameters():
             p.fill_(-7.0)

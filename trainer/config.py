@@ -78,8 +78,10 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 256
-    # Sequences generated per forward batch by the HF engine (0 = all at once).
+    # HF engine: at most this many sequences per generation batch (0 = no limit), and at most
+    # token_budget KV-cache tokens per batch, rows × (longest prompt + max_new_tokens) (0 = no limit).
     batch_size: int = 0
+    token_budget: int = 0
     # Weight sync policy -> rollout engine in buckets of this many MiB (any engine; 0 = per tensor).
     sync_bucket_mb: float = 64.0
     # vLLM only. colocated: a vLLM engine inside the training job sharing its GPUs (sleep/wake_up);

@@ -16,7 +16,6 @@ helpers here (request slicing, eos truncation) are shared by both engines.
 from __future__ import annotations
 
 import abc
-import copy
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -118,21 +117,56 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float,
     return tok, logp.gather(-1, tok[:, None])[:, 0]
 
 
-class HFRolloutEngine(RolloutEngine):
-    """Batched KV-cache sampling with a plain Hugging Face causal LM (its own copy of the weights).
+def token_budget_batches(lengths: Sequence[int], max_new_tokens: int, token_budget: int,
+                         max_rows: int = 0) -> list[list[int]]:
+    """Group prompt indices into generation batches, longest prompts first.
 
-    Prompts are left-padded; each step feeds one token per row and keeps only the last position's
-    logits (``logits_to_keep=1``), so memory is the KV cache, not the vocabulary.
+    A batch of rows whose longest prompt is P costs rows·(P + max_new_tokens) KV-cache tokens; each
+    batch stays within ``token_budget`` (0: no limit) and ``max_rows`` rows (0: no limit), and holds at
+    least one row. Returns lists of indices into ``lengths`` (together, each index exactly once)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches: list[list[int]] = []
+    for i in order:
+        if batches:
+            cur = batches[-1]
+            longest = lengths[cur[0]]  # the first row of a batch is its longest
+            fits_tokens = token_budget <= 0 or (len(cur) + 1) * (longest + max_new_tokens) <= token_budget
+            fits_rows = max_rows <= 0 or len(cur) < max_rows
+            if fits_tokens and fits_rows:
+                cur.append(i)
+                continue
+        batches.append([i])
+    return batches
+
+
+class HFRolloutEngine(RolloutEngine):
+    """Batched KV-cache sampling with a Hugging Face causal LM.
+
+    ``shares_policy``: ``model`` is the policy's own module (ZeRO 0-2, where every rank holds the whole
+    model): no second copy, and ``update_weights`` has nothing to do. Otherwise (ZeRO-3, where the
+    policy's parameters are partitioned) ``model`` is the engine's own copy, filled by
+    ``update_weights``.
+
+    Prompts are grouped into batches by a KV-cache token budget (``token_budget``, longest first) and
+    left-padded; each step feeds one token per row and keeps only the last position's logits
+    (``logits_to_keep=1``), so memory is the KV cache, not the vocabulary. A row that has produced eos
+    leaves the batch (its KV cache is dropped), so one long answer costs one row's decode steps, not
+    the whole batch's. ``last_stats`` holds the last call's generated tokens, seconds and tokens/s.
     """
 
     def __init__(self, model: nn.Module, eos_token_ids: list[int], pad_token_id: int,
-                 batch_size: int = 0):
-        self.model = model.eval()
-        for p in self.model.parameters():
-            p.requires_grad_(False)
+                 batch_size: int = 0, token_budget: int = 0, shares_policy: bool = False):
+        self.model = model
+        self.shares_policy = shares_policy
+        if not shares_policy:
+            self.model.eval()
+            for p in self.model.parameters():
+                p.requires_grad_(False)
         self.eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long)
         self.pad = int(pad_token_id)
         self.batch_size = int(batch_size)
+        self.token_budget = int(token_budget)
+        self.last_stats: dict[str, float] = {}
 
     @property
     def device(self) -> torch.device:
@@ -140,7 +174,13 @@ class HFRolloutEngine(RolloutEngine):
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable) -> None:
-        """Copy each tensor into the model's parameter/buffer of the same name (Buckets or pairs)."""
+        """Copy each tensor into the model's parameter/buffer of the same name (Buckets or pairs).
+        Sharing the policy's module, there is nothing to copy; the iterable is still consumed, since a
+        ZeRO-3 producer expects every rank to walk it to the end."""
+        if self.shares_policy:
+            for _ in iter_named(named_tensors):
+                pass
+            return
         own = dict(self.model.named_parameters())
         own.update(dict(self.model.named_buffers()))
         for name, tensor in iter_named(named_tensors):
@@ -155,14 +195,27 @@ class HFRolloutEngine(RolloutEngine):
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingParams,
                  generator: torch.Generator | None = None) -> RolloutBatch:
+        import time
+
         if not prompts:
             return RolloutBatch([], [])
-        out_ids: list[list[int]] = []
-        out_lp: list[list[float]] = []
-        for sl in batch_slices(len(prompts), self.batch_size):
-            part = self._generate_batch(prompts[sl], sampling, generator)
-            out_ids += part.token_ids
-            out_lp += part.logprobs
+        t0 = time.perf_counter()
+        out_ids: list[list[int]] = [[] for _ in prompts]
+        out_lp: list[list[float]] = [[] for _ in prompts]
+        was_training = self.model.training
+        self.model.eval()  # no dropout; a shared policy module goes back to its mode afterwards
+        try:
+            batches = token_budget_batches([len(p) for p in prompts], sampling.max_new_tokens,
+                                           self.token_budget, self.batch_size)
+            for idx in batches:
+                part = self._generate_batch([prompts[i] for i in idx], sampling, generator)
+                for j, i in enumerate(idx):
+                    out_ids[i], out_lp[i] = part.token_ids[j], part.logprobs[j]
+        finally:
+            self.model.train(was_training)
+        seconds = time.perf_counter() - t0
+        tokens = sum(len(x) for x in out_ids)
+        self.last_stats = {"tokens": float(tokens), "seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9)}
         return RolloutBatch(out_ids, out_lp)
 
     def _generate_batch(self, prompts, sampling: SamplingParams, generator):
@@ -178,46 +231,72 @@ class HFRolloutEngine(RolloutEngine):
             mask[i, L - len(p):] = 1
         eos = self.eos.to(dev)
         cache = DynamicCache()
-        done = torch.zeros(B, dtype=torch.bool, device=dev)
-        tokens, logps = [], []
+        rows = torch.arange(B, device=dev)  # the batch rows still generating
+        steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         step_ids, pos = input_ids, (mask.cumsum(-1) - 1).clamp_min(0)
         for _ in range(sampling.max_new_tokens):
             out = self.model(input_ids=step_ids, attention_mask=mask, position_ids=pos,
                              past_key_values=cache, use_cache=True, logits_to_keep=1)
             cache = out.past_key_values
-            logits = out.logits[:, -1, :].float()
-            tok, lp = sample_next(logits, sampling.temperature, sampling.top_p, generator)
-            tok = torch.where(done, torch.full_like(tok, self.pad), tok)
-            tokens.append(tok)
-            logps.append(lp)
-            done = done | torch.isin(tok, eos)
-            if bool(done.all()):
+            tok, lp = sample_next(out.logits[:, -1, :].float(), sampling.temperature, sampling.top_p, generator)
+            steps.append((rows, tok, lp))
+            finished = torch.isin(tok, eos)
+            n_finished = int(finished.sum())
+            if n_finished == rows.numel():
                 break
+            if n_finished:
+                keep = (~finished).nonzero()[:, 0]
+                cache.batch_select_indices(keep)
+                rows, tok, mask, pos = rows[keep], tok[keep], mask[keep], pos[keep]
             step_ids = tok[:, None]
             pos = pos[:, -1:] + 1
-            mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=dev)], dim=1)
-        toks = torch.stack(tokens, 1).tolist()
-        lps = torch.stack(logps, 1).tolist()
-        return finish_rollouts(toks, lps, self.eos.tolist())
+            mask = torch.cat([mask, torch.ones((rows.numel(), 1), dtype=mask.dtype, device=dev)], dim=1)
+        token_ids: list[list[int]] = [[] for _ in range(B)]
+        logprobs: list[list[float]] = [[] for _ in range(B)]
+        for r, t, l in steps:
+            for i, tk, lv in zip(r.tolist(), t.tolist(), l.tolist()):
+                token_ids[i].append(tk)
+                logprobs[i].append(lv)
+        return finish_rollouts(token_ids, logprobs, self.eos.tolist())
+
+
+def rollout_copy(config, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """An empty causal LM of ``config`` (no random init, no copy of anyone's weights) on ``device`` in
+    ``dtype``; its parameters and buffers are filled by the first ``update_weights``."""
+    import copy as _copy
+
+    from transformers import AutoModelForCausalLM
+
+    config = _copy.deepcopy(config)
+    config.use_cache = True
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model = model.to_empty(device=device)
+    model.tie_weights()
+    return model
 
 
 def make_rollout_engine(cfg, model: nn.Module, tokenizer, *, device: torch.device | None = None,
-                        rank: int = 0, world: int = 1) -> RolloutEngine:
+                        rank: int = 0, world: int = 1, zero_stage: int = 0) -> RolloutEngine:
     """The rollout engine ``cfg.rollout.engine`` names.
 
-    ``model``: the policy's Hugging Face causal LM as built, before DeepSpeed wraps it (not modified):
-    the HF engine samples from a deep copy of it (bf16 on a GPU unless ``model.dtype: fp32``, else fp32);
-    the vLLM engines take its config (the weights arrive with the first ``update_weights``).
+    ``model``: the policy's Hugging Face causal LM as DeepSpeed holds it (``PolicyEngine.policy.lm``).
+    With ZeRO 0-2 the HF engine samples from that very module (no copy); with ZeRO-3, whose
+    parameters are partitioned, from one empty copy per rank built from its config (bf16 on a GPU
+    unless ``model.dtype: fp32``, else fp32) and filled by the weight sync. The vLLM engines take its
+    config (the weights arrive with the first ``update_weights``).
     ``tokenizer``: its eos/pad ids. ``rank``/``world``: this process in the data-parallel training group.
     """
     r = cfg.rollout
     device = device if device is not None else torch.device("cpu")
     eos_ids = [tokenizer.eos_token_id]
     if r.engine == "hf":
+        if zero_stage < 3:
+            return HFRolloutEngine(model, eos_ids, tokenizer.pad_token_id, r.batch_size, r.token_budget,
+                                   shares_policy=True)
         use_bf16 = device.type == "cuda" and cfg.model.dtype != "fp32"
-        lm = copy.deepcopy(model).to(device=device, dtype=torch.bfloat16 if use_bf16 else torch.float32)
-        lm.config.use_cache = True
-        return HFRolloutEngine(lm, eos_ids, tokenizer.pad_token_id, r.batch_size)
+        lm = rollout_copy(model.config, device, torch.bfloat16 if use_bf16 else torch.float32)
+        return HFRolloutEngine(lm, eos_ids, tokenizer.pad_token_id, r.batch_size, r.token_budget)
     if r.engine == "vllm":
         from fastcov.trainer.rollout_vllm import make_vllm_engine
 

@@ -480,9 +480,10 @@ def _train(cfg: Config, resume, stop_at, on_end, closing: contextlib.ExitStack, 
         lm = build_model(cfg.model, device, torch.float32, tokenizer)
     except ValueError as exc:
         raise _user_error(exc) from None
-    # before DeepSpeed wraps (and under ZeRO-3 shards) the policy: the HF engine copies it
-    rollout = make_rollout_engine(cfg, lm, tokenizer, device=device, rank=rank, world=world)
     engine = PolicyEngine(PolicyModel(lm), cfg, device, world)
+    # the HF engine samples from the policy's own module (ZeRO 0-2) or an empty per-rank copy (ZeRO-3)
+    rollout = make_rollout_engine(cfg, engine.policy.lm, tokenizer, device=device, rank=rank, world=world,
+                                  zero_stage=t.zero_stage)
     reward_fn = RewardFn(cfg.reward.kind, cfg.reward.timeout_s, cfg.reward.sandbox, cfg.reward.workers)
     closing.callback(reward_fn.close)
     pad_id = tokenizer.pad_token_id
@@ -584,6 +585,7 @@ def _train(cfg: Config, resume, stop_at, on_end, closing: contextlib.ExitStack, 
                     f"Last checkpoint: {last if last else 'none'} (intact); resume with --resume."
                 ) from exc
             times["rollout"] = time.perf_counter() - t0
+            n_generated = sum(len(x) for x in out.token_ids)
 
             # ---------------------------------------------------------- 2. rewards
             t0 = time.perf_counter()
@@ -681,6 +683,7 @@ def _train(cfg: Config, resume, stop_at, on_end, closing: contextlib.ExitStack, 
             rec.update({f"time/{k}": v for k, v in times.items()})
             rec["time/step"] = dt
             rec["tokens_per_s"] = (p_sum + len_sum) / dt
+            rec["tokens_per_s/rollout"] = all_sum([float(n_generated)], device)[0] / max(times["rollout"], 1e-9)
             log_durably(rec)
             if pending is not None:
                 publish_checkpoint(pending, t.keep_last, rank)
