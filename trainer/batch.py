@@ -37,6 +37,9 @@ class Sequence:
     old_logprob: list[float] | None = None
     old_entropy: list[float] | None = None
     old_vocab_cov: list[float] | None = None
+    # Per-response-token advantages (REINFORCE++ with its KL penalty, PRIME); when set they replace
+    # ``advantage`` token by token.
+    token_advantages: list[float] | None = None
 
     def __len__(self) -> int:
         return len(self.prompt) + len(self.response)
@@ -139,7 +142,8 @@ def collate_rows(seqs: list[Sequence], rows: list[list[int]], index: list[int], 
             att[r, at : at + n] = 1
             pos[r, at : at + n] = torch.arange(n)
             labels[r, at + p - 1 : at + n - 1] = torch.tensor(s.response)
-            adv[r, at + p - 1 : at + n - 1] = s.advantage
+            adv[r, at + p - 1 : at + n - 1] = (s.advantage if s.token_advantages is None
+                                                else torch.tensor(s.token_advantages))
             if s.old_logprob is not None:
                 old[r, at + p - 1 : at + n - 1] = torch.tensor(s.old_logprob)
             if weight > 0:
@@ -265,7 +269,8 @@ def sequence_tensors(seqs: list[Sequence], width: int, device: torch.device) -> 
     for i, s in enumerate(seqs):
         n = len(s.response)
         out["mask"][i, :n] = True
-        out["advantages"][i, :n] = s.advantage
+        out["advantages"][i, :n] = (s.advantage if s.token_advantages is None
+                                    else torch.tensor(s.token_advantages, dtype=torch.float32))
         for name in names:
             if name in out:
                 out[name][i, :n] = torch.tensor(getattr(s, name), dtype=torch.float32)

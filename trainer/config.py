@@ -93,7 +93,24 @@ class RolloutConfig:
 
 
 @dataclass
+class CodeRewardConfig:
+    """Limits of the code sandbox (trainer/sandbox.py) for ``reward.task: code``."""
+
+    cpu_s: float = 2.0  # CPU seconds per test run
+    wall_s: float = 6.0  # wall clock per test run, then SIGKILL
+    memory_mb: int = 512  # address space (RLIMIT_AS)
+    nproc: int = 8  # processes (RLIMIT_NPROC)
+    max_output_kb: float = 1024.0  # stdout cap per run
+    # A SandboxFusion /run_code endpoint (e.g. http://host:8080/run_code): programs run there instead.
+    sandbox_fusion_url: str | None = None
+
+
+@dataclass
 class RewardConfig:
+    # math: the last \boxed{} answer checked with math-verify; code: the response's last code block runs
+    # against the prompt's tests (ground_truth = JSON {"inputs", "outputs"}) in a sandbox (trainer/code_tasks.py).
+    task: Literal["math", "code"] = "math"
+    code: CodeRewardConfig = field(default_factory=CodeRewardConfig)
     kind: Literal["binary", "pm1"] = "binary"  # 1/0 or +1/-1
     timeout_s: float = 5.0
     # process: math-verify runs in a worker process that is killed after timeout_s (a hard limit);
@@ -104,8 +121,33 @@ class RewardConfig:
 
 
 @dataclass
+class PrimeConfig:
+    """PRIME (Cui et al. 2025, "Process Reinforcement through Implicit Rewards"): an implicit PRM trained
+    online with the cross-entropy loss on outcome labels; token rewards beta * log(pi_rm / pi_ref).
+    Used when ``algo.adv_estimator: prime`` (trainer/prime.py; docs/papers.md)."""
+
+    beta: float = 0.05  # implicit reward scale
+    lr: float = 1.0e-6  # reward-model learning rate (AdamW)
+    outcome_coef: float = 1.0  # weight of the outcome reward's RLOO return
+    process_coef: float = 1.0  # weight of the implicit process rewards' RLOO return
+    # The reward model is updated on each batch's rollouts before (true: the paper's order) or after
+    # (false) the process rewards are computed from it.
+    update_before_reward: bool = True
+    # Keep prompts whose rollout accuracy is in [acc_low, acc_high] (PRIME's online filter).
+    acc_filter: bool = True
+    acc_low: float = 0.2
+    acc_high: float = 0.8
+
+
+@dataclass
 class AlgoConfig:
-    adv_estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = "grpo"
+    # prime: outcome + implicit process rewards, token-level (algo.prime); reinforce_pp with algo.kl_coef > 0:
+    # REINFORCE++ with its token-level KL penalty (trainer/token_rewards.py).
+    adv_estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "prime"] = "grpo"
+    # REINFORCE++'s KL penalty in the reward: r_t = -kl_coef * (log pi_old - log pi_ref)(t), the outcome reward
+    # added at the last token, returns summed to the end and normalised over the batch's tokens. 0 = off.
+    kl_coef: float = 0.0
+    prime: PrimeConfig = field(default_factory=PrimeConfig)
     mode: Literal["vanilla", "clip_cov", "kl_cov"] = "vanilla"
     loss_agg: Literal[
         "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
@@ -359,8 +401,23 @@ def validate(cfg: Config) -> Config:
     _check(t.prompts_per_step % a.mini_batches == 0, "algo.mini_batches",
            f"{a.mini_batches} does not divide trainer.prompts_per_step={t.prompts_per_step}; pick a divisor "
            "so every mini-batch holds the same number of prompts")
-    if a.adv_estimator in ("grpo", "dr_grpo", "rloo"):
+    if a.adv_estimator in ("grpo", "dr_grpo", "rloo", "prime"):
         _check(r.n >= 2, "rollout.n", f"{a.adv_estimator} needs >= 2 rollouts per prompt")
+    _check(a.kl_coef >= 0, "algo.kl_coef", f"must be >= 0, got {a.kl_coef}")
+    _check(a.kl_coef == 0 or a.adv_estimator == "reinforce_pp", "algo.kl_coef",
+           "the token-level KL penalty is REINFORCE++'s: set algo.adv_estimator=reinforce_pp (or kl_coef 0)")
+    pr = a.prime
+    _check(pr.beta > 0, "algo.prime.beta", f"must be > 0, got {pr.beta}")
+    _check(pr.lr > 0, "algo.prime.lr", f"must be > 0, got {pr.lr}")
+    _check(pr.outcome_coef >= 0 and pr.process_coef >= 0, "algo.prime.outcome_coef", "coefficients must be >= 0")
+    _check(0 <= pr.acc_low <= pr.acc_high <= 1, "algo.prime.acc_low", "need 0 <= acc_low <= acc_high <= 1")
+    c = cfg.reward.code
+    _check(c.cpu_s > 0 and c.wall_s > 0, "reward.code.cpu_s", "cpu_s and wall_s must be > 0")
+    _check(c.memory_mb >= 32, "reward.code.memory_mb", f"must be >= 32, got {c.memory_mb}")
+    _check(c.nproc >= 1, "reward.code.nproc", f"must be >= 1, got {c.nproc}")
+    _check(c.max_output_kb > 0, "reward.code.max_output_kb", "must be > 0")
+    _check(c.sandbox_fusion_url is None or c.sandbox_fusion_url.startswith(("http://", "https://")),
+           "reward.code.sandbox_fusion_url", "must start with http:// or https://")
     _check(o.lr > 0, "optim.lr", f"must be > 0, got {o.lr}")
     _check(o.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
     _check(all(0 <= b < 1 for b in o.betas), "optim.betas", "must be in [0, 1)")

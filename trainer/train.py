@@ -40,10 +40,11 @@ from fastcov.trainer.checkpoint import (CheckpointError, check_checkpoint, fsync
                                        trim_metrics, write_checkpoint)
 from fastcov.trainer.config import Config, ConfigError, save_config
 from fastcov.trainer.data import PromptSampler, load_train_val, prepare_data
-from fastcov.trainer.engine import PolicyEngine, init_distributed, lr_at, pick_device
+from fastcov.trainer.engine import PolicyEngine, ds_config, init_distributed, lr_at, pick_device
 from fastcov.trainer.metrics import MetricsLogger
-from fastcov.trainer.model import PolicyModel, build_model, load_tokenizer
+from fastcov.trainer.model import PolicyModel, build_model, load_tokenizer, param_dtype
 from fastcov.trainer.rewards import RewardFn
+from fastcov.trainer.token_rewards import make_token_advantages, prime_keep
 from fastcov.trainer.rollout import SamplingParams, make_rollout_engine
 
 # policy_loss metrics averaged over the update's tokens; its "entropy" is logged as "update_entropy"
@@ -477,14 +478,23 @@ def _train(cfg: Config, resume, stop_at, on_end, closing: contextlib.ExitStack, 
         train_set, val_set, data_stats = load_train_val(cfg, tokenizer, train_files, val_files)
 
     try:
-        lm = build_model(cfg.model, device, torch.float32, tokenizer)
+        lm = build_model(cfg.model, device, param_dtype(cfg.model, device), tokenizer,
+                         ds_config=ds_config(cfg, device, world))
     except ValueError as exc:
         raise _user_error(exc) from None
+    # REINFORCE++'s KL reference, PRIME's reference and reward model: copies of the starting weights,
+    # taken before DeepSpeed wraps (and under ZeRO-3 shards) the policy
+    token_adv = make_token_advantages(cfg, lm)
     engine = PolicyEngine(PolicyModel(lm), cfg, device, world)
     # the HF engine samples from the policy's own module (ZeRO 0-2) or an empty per-rank copy (ZeRO-3)
     rollout = make_rollout_engine(cfg, engine.policy.lm, tokenizer, device=device, rank=rank, world=world,
                                   zero_stage=t.zero_stage)
-    reward_fn = RewardFn(cfg.reward.kind, cfg.reward.timeout_s, cfg.reward.sandbox, cfg.reward.workers)
+    if cfg.reward.task == "code":  # the answer's code runs against the prompt's tests in a sandbox
+        from fastcov.trainer.code_tasks import CodeRewardFn
+
+        reward_fn = CodeRewardFn.from_config(cfg.reward)
+    else:
+        reward_fn = RewardFn(cfg.reward.kind, cfg.reward.timeout_s, cfg.reward.sandbox, cfg.reward.workers)
     closing.callback(reward_fn.close)
     pad_id = tokenizer.pad_token_id
 
@@ -511,6 +521,11 @@ def _train(cfg: Config, resume, stop_at, on_end, closing: contextlib.ExitStack, 
         except (ValueError, KeyError, TypeError) as exc:
             raise CheckpointError(f"--resume: {str(path)!r} does not fit this run's config or data "
                                   f"({type(exc).__name__}: {one_line(exc)})") from None
+        if token_adv is not None and token_adv.prm is not None:
+            try:
+                token_adv.prm.load(path)
+            except (OSError, RuntimeError, KeyError, ValueError) as exc:
+                raise CheckpointError(f"--resume: PRIME's reward model: {one_line(exc)}") from None
         if rank == 0:
             print(f"[fastcov] resumed from {path} at step {step}", flush=True)
     if rank == 0:
@@ -597,11 +612,15 @@ def _train(cfg: Config, resume, stop_at, on_end, closing: contextlib.ExitStack, 
 
             # ---------------------------------------------------------- 3. advantages (+ DAPO filter)
             rewards = torch.tensor(all_gather_floats(local_rewards, device), dtype=torch.float32)
-            adv = get_advantage(a.adv_estimator)(rewards, r.n).view(t.prompts_per_step, r.n)
+            # prime: RLOO here as a placeholder; token_adv.apply (after step 4) sets the token-level advantages
+            seq_estimator = "rloo" if a.adv_estimator == "prime" else a.adv_estimator
+            adv = get_advantage(seq_estimator)(rewards, r.n).view(t.prompts_per_step, r.n)
             keep = torch.ones(t.prompts_per_step, dtype=torch.bool)
             if a.dapo_filter:
                 keep = dapo_filter(rewards, r.n).view(t.prompts_per_step, r.n)[:, 0]
-                counters["filtered_groups"] += int((~keep).sum())
+            if a.adv_estimator == "prime" and a.prime.acc_filter:
+                keep &= prime_keep(rewards, r.n, cfg.reward.kind, a.prime.acc_low, a.prime.acc_high)
+            counters["filtered_groups"] += int((~keep).sum())
             rec["kept_groups"] = int(keep.sum())
             first = rank * local_prompts
             seqs: list[Sequence] = []
@@ -618,6 +637,10 @@ def _train(cfg: Config, resume, stop_at, on_end, closing: contextlib.ExitStack, 
                 engine, seqs, cfg, pad_id, device, keep_entropy=global_scope and a.high_entropy_fraction is not None,
                 keep_vocab_cov=global_scope and a.cov_score == "vocab")
             times["old_logprob"] = time.perf_counter() - t0
+            if token_adv is not None:  # REINFORCE++ with KL penalty, PRIME: token-level advantages
+                t0 = time.perf_counter()
+                rec.update(token_adv.apply(seqs, pad_id, device, batching(cfg, engine)))
+                times["token_rewards"] = time.perf_counter() - t0
 
             # ---------------------------------------------------------- 5. policy update
             t0 = time.perf_counter()
@@ -678,6 +701,8 @@ def _train(cfg: Config, resume, stop_at, on_end, closing: contextlib.ExitStack, 
             if step == t.max_steps or stop_now or (t.save_every and step % t.save_every == 0):
                 t0 = time.perf_counter()
                 pending = write_pending_checkpoint()
+                if token_adv is not None and token_adv.prm is not None and rank == 0:
+                    token_adv.prm.save(pending)  # identical on every rank (averaged gradients)
                 times["save"] = time.perf_counter() - t0
             dt = time.perf_counter() - t_step
             rec.update({f"time/{k}": v for k, v in times.items()})

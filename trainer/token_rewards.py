@@ -1,0 +1,104 @@
+"""Token-level advantages in the training loop: REINFORCE++ with its KL penalty, and PRIME.
+
+``make_token_advantages(cfg, lm)`` returns None for the outcome-only estimators (grpo, dr_grpo, rloo,
+reinforce_pp without ``algo.kl_coef``), else an object whose ``apply`` runs between the old log-probs
+(step 4) and the policy update (step 5) and sets ``Sequence.token_advantages`` of every sequence:
+
+* ``reinforce_pp`` with ``algo.kl_coef`` β > 0: the reference log-probs (a frozen copy of the starting
+  model), r_t = −β·(log π_old − log π_ref) plus the outcome at the last token, returns to the end,
+  normalised over all response tokens of the batch on all ranks (``fastcov.token_advantages``);
+* ``prime``: the implicit PRM (trainer/prime.py) updated on the batch, its token rewards
+  β·log(π_rm/π_ref), leave-one-out baselines, returns, whitening over the batch.
+
+The reference is the model as built at the start of the run (before a resume loads the policy), i.e.
+the initial policy, as both papers use.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastcov import token_advantages as ta
+
+
+def _pad(rows: list[list[float]], width: int, device) -> torch.Tensor:
+    out = torch.zeros((len(rows), width), dtype=torch.float32, device=device)
+    for i, r in enumerate(rows):
+        if r:
+            out[i, : len(r)] = torch.tensor(r, dtype=torch.float32, device=device)
+    return out
+
+
+def _all_sum(t: torch.Tensor) -> torch.Tensor:
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t
+
+
+def prime_keep(rewards: torch.Tensor, n: int, kind: str, low: float, high: float) -> torch.Tensor:
+    """PRIME's online filter: bool [num_prompts], True where the group's accuracy is in [low, high]."""
+    acc = rewards.view(-1, n).float()
+    if kind == "pm1":
+        acc = (acc + 1) / 2
+    mean = acc.mean(-1)
+    return (mean >= low - 1e-9) & (mean <= high + 1e-9)
+
+
+class TokenAdvantages:
+    def __init__(self, cfg, lm: torch.nn.Module):
+        from fastcov.trainer.prime import FrozenModel, ImplicitPRM
+
+        self.cfg = cfg
+        a = cfg.algo
+        self.prime = a.adv_estimator == "prime"
+        on_gpu = next(lm.parameters()).device.type == "cuda"
+        # the reference only reads: bf16 on a GPU (unless model.dtype is fp32); the PRM trains in fp32
+        self.ref = FrozenModel(lm, dtype=torch.bfloat16 if on_gpu and cfg.model.dtype != "fp32" else None)
+        self.prm = (ImplicitPRM(lm, a.prime.beta, a.prime.lr, cfg.optim.grad_clip) if self.prime else None)
+
+    def apply(self, seqs, pad_id: int, device: torch.device, batch_kw: dict) -> dict[str, float]:
+        """Set ``token_advantages`` on every sequence of this rank (every rank must call). Returns metrics."""
+        cfg, a = self.cfg, self.cfg.algo
+        temp = cfg.rollout.temperature
+        ref = self.ref.logprobs(seqs, pad_id, device, batch_kw, temp)
+        width = max([len(s.response) for s in seqs] + [1])
+        mask = torch.zeros((len(seqs), width), dtype=torch.bool, device=device)
+        for i, s in enumerate(seqs):
+            mask[i, : len(s.response)] = True
+        outcome = torch.tensor([s.reward for s in seqs], dtype=torch.float32, device=device)
+        ref_t = _pad(ref, width, device)
+        metrics: dict[str, float] = {}
+        if self.prime:
+            p = a.prime
+            labels = [float(s.reward > 0) for s in seqs]  # binary 1/0 or pm1 ±1: correct = positive
+            if p.update_before_reward:
+                metrics.update(self.prm.update(seqs, labels, ref, pad_id, device, batch_kw, temp))
+            rm_t = _pad(self.prm.logprobs(seqs, pad_id, device, batch_kw, temp), width, device)
+            process = p.beta * (rm_t - ref_t)
+            if not p.update_before_reward:
+                metrics.update(self.prm.update(seqs, labels, ref, pad_id, device, batch_kw, temp))
+            returns = (ta.prime_returns(outcome, process, mask, cfg.rollout.n, p.outcome_coef, p.process_coef)
+                       if seqs else torch.zeros_like(mask, dtype=torch.float64))
+            tok = _all_sum(torch.stack([torch.where(mask, process, 0.0).sum().double(),
+                                        mask.sum().double()]))
+            metrics["process_reward_mean"] = float(tok[0] / tok[1].clamp(min=1))
+        else:
+            old_t = _pad([s.old_logprob for s in seqs], width, device)
+            returns, kl = ta.reinforce_pp_returns(outcome, old_t, ref_t, mask, a.kl_coef)
+            tok = _all_sum(torch.stack([kl.sum(), mask.sum().double()]))
+            metrics["kl_ref"] = float(tok[0] / tok[1].clamp(min=1))
+        stats = _all_sum(ta.whiten_stats(returns, mask))
+        adv = ta.whiten(returns, mask, stats)
+        for i, s in enumerate(seqs):
+            s.token_advantages = adv[i, : len(s.response)].tolist()
+            s.advantage = float(adv[i, : len(s.response)].mean()) if s.response else 0.0
+        return metrics
+
+
+def make_token_advantages(cfg, lm: torch.nn.Module) -> TokenAdvantages | None:
+    a = cfg.algo
+    if a.adv_estimator == "prime" or (a.adv_estimator == "reinforce_pp" and a.kl_coef > 0):
+        return TokenAdvantages(cfg, lm)
+    return None
