@@ -427,6 +427,8 @@ def test_colocated_engine_without_refresh_sleeps_at_level1():
     assert _kinds(llm.events).count("update") == 2
     eng.generate([[1]], SamplingParams(1.0, 1.0, 4))
     eng.generate([[1]], SamplingParams(0.0, 1.0, 4))  # level 1 kept the weights: no push in between
+    n = len(llm.events)
+    assert eng.generate([], SamplingParams(1.0, 1.0, 4)).token_ids == [] and len(llm.events) == n  # stays asleep
     assert llm.events[-1] == ("sleep", 1) and _kinds(llm.events).count("update") == 2
 
 

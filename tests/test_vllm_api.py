@@ -36,6 +36,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINE = ROOT / "trainer" / "rollout_vllm.py"
+SMOKE = ROOT / "bench" / "vllm_smoke.py"  # the GPU check: its direct vLLM calls are checked too
 FAKES = ROOT / "tests" / "test_rollout_vllm.py"
 SRC_DIR = Path(os.environ.get("FASTCOV_VLLM_SRC", ROOT / ".cache" / "vllm-src"))
 VERSIONS = ("0.26.0", "0.33.0")  # = rollout_vllm.TESTED_VERSIONS (checked below)
@@ -320,7 +321,9 @@ def _vllm_imports(tree: ast.Module) -> dict[str, str]:
 RECEIVERS = {
     "self.llm": "vllm.LLM",
     "llm": "vllm.LLM",
+    "engine.llm": "vllm.LLM",  # bench/vllm_smoke.py
     "self.vllm": "vllm",
+    "engine.vllm": "vllm",
     "vllm": "vllm",
     "self.comm": "vllm.distributed.device_communicators.pynccl.PyNcclCommunicator",
 }
@@ -476,6 +479,8 @@ def check_builders(idx: SourceIndex, version: str, api=None) -> list[str]:
     if llm_kw["distributed_executor_backend"] not in _literal_values(
             idx, "vllm.config.parallel.DistributedExecutorBackend"):
         p.append("distributed_executor_backend 'external_launcher' is not a DistributedExecutorBackend")
+    if llm_kw["load_format"] not in _literal_values(idx, "vllm.model_executor.model_loader.LoadFormats"):
+        p.append(f"load_format {llm_kw['load_format']!r} is not a vllm.model_executor.model_loader.LoadFormats")
     if rv.SERVER_BACKEND not in _registered_backends(idx):
         p.append(f"weight-transfer backend {rv.SERVER_BACKEND!r} is not registered in vLLM")
     wt = _class(idx, "vllm.config.weight_transfer.WeightTransferConfig")
@@ -610,7 +615,8 @@ def check_fakes(idx: SourceIndex, source: str) -> list[str]:
 
 def check_all(idx: SourceIndex, version: str) -> list[str]:
     src = ENGINE.read_text()
-    return (check_engine_calls(idx, src) + check_builders(idx, version) + check_server(idx)
+    return (check_engine_calls(idx, src) + check_engine_calls(idx, SMOKE.read_text())
+            + check_builders(idx, version) + check_server(idx)
             + check_local_backend(idx, src) + check_outputs(idx) + check_fakes(idx, FAKES.read_text()))
 
 
@@ -633,6 +639,8 @@ def test_tested_versions_match_the_engine():
     assert tuple(rv.TESTED_VERSIONS) == VERSIONS
     for v in VERSIONS:  # the tested versions are the ends of the supported range
         rv.check_vllm_version(v)
+    make = next(line for line in (ROOT / "Makefile").read_text().splitlines() if line.startswith("VLLM_VERSIONS"))
+    assert tuple(make.split(":=")[1].split()) == VERSIONS  # what make test-vllm-api downloads
 
 
 @pytest.mark.parametrize("version", VERSIONS)

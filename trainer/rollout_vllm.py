@@ -668,6 +668,8 @@ class VLLMColocatedEngine(RolloutEngine):
             dist.all_gather_object(parts, reqs, group=self.group)
             counts, me = [len(p) for p in parts], dist.get_rank(self.group)
             reqs = [r for p in parts for r in p]
+        if not reqs:  # nothing for the whole engine: leave it asleep
+            return RolloutBatch([], [])
         if not self.weights_valid:
             if self.refresh is None:
                 raise RuntimeError("colocated vLLM: no weights loaded (call update_weights first)")
@@ -677,8 +679,7 @@ class VLLMColocatedEngine(RolloutEngine):
         t0 = time.perf_counter()
         try:
             params = [self.vllm.SamplingParams(**sampling_kwargs(sampling, self.eos, s)) for _, s in reqs]
-            outs = (self.llm.generate([{"prompt_token_ids": p} for p, _ in reqs], params, use_tqdm=False)
-                    if reqs else [])
+            outs = self.llm.generate([{"prompt_token_ids": p} for p, _ in reqs], params, use_tqdm=False)
         finally:
             self.stats["generate_s"] = time.perf_counter() - t0
             self._sleep()
