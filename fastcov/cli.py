@@ -20,7 +20,7 @@ import sys
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("fastcov.trainer.cli_train", "train a policy with GRPO/DAPO and Clip-Cov/KL-Cov"),
-    "eval": ("fastcov.trainer.cli_eval", "evaluate a checkpoint (avg@k on a parquet dataset)"),
+    "eval": ("fastcov.trainer.cli_eval", "evaluate a checkpoint (avg@k, pass@k, diversity, calibration)"),
     "report": ("fastcov.trainer.cli_report", "write report.md and plots from run directories"),
     "fit-law": ("fastcov.law_cli", "fit the entropy law R = -a*exp(H) + b to a metrics.jsonl"),
     "plan": ("fastcov.plan", "per-GPU memory plan for a model, GPU count and token budget"),

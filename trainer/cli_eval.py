@@ -1,4 +1,5 @@
-"""`fastcov eval --model DIR --data FILE.parquet [--k K]`: avg@k of a saved model."""
+"""`fastcov eval --model DIR --data FILE.parquet [--k K] [--sample-all]`: avg@k of a saved model, and from the
+same samples pass@k / mean@k, diversity (distinct-2, distinct answers) and calibration (ECE, Brier)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    parser.add_argument("--sample-all", action="store_true",
+                        help="sample --k responses at --temperature for every data source (pass@k, mean@k and "
+                             "diversity need several samples per prompt; greedy sources otherwise get one)")
+    parser.add_argument("--task", choices=["math", "code"], default="math",
+                        help="math: last \\boxed{} answer; code: the last code block runs against the row's tests "
+                             "in the sandbox")
+    parser.add_argument("--reliability-plot", default=None, metavar="PNG",
+                        help="write the reliability diagram (accuracy vs confidence) to this file")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -77,12 +86,29 @@ def run(args: argparse.Namespace) -> int:
     cfg.trainer.eval_temperature = args.temperature
     cfg.trainer.eval_max_new_tokens = args.max_new_tokens
     cfg.trainer.seed = args.seed
-    reward_fn = RewardFn("binary", 5.0, "process")
+    cfg.trainer.eval_sample_all = args.sample_all
+    cfg.reward.task = args.task
+    if args.task == "code":
+        from fastcov.trainer.code_tasks import CodeRewardFn
+
+        reward_fn = CodeRewardFn("binary")
+    else:
+        reward_fn = RewardFn("binary", 5.0, "process")
     try:
         res = evaluate(engine, examples, reward_fn, tok, cfg, 0, 1, device, 0)
     finally:
         reward_fn.close()
     res = {"prompts": len(examples), "k": args.k, **res}
+    bins = res.pop("val_calibration_bins", None)
+    if args.reliability_plot and bins:
+        from fastcov.metrics import CalibrationBin, reliability_plot
+
+        m = len(bins)
+        reliability_plot({Path(args.model).name: [
+            CalibrationBin(i / m, (i + 1) / m, int(b[0]), b[1] if b[1] is not None else math.nan,
+                           b[2] if b[2] is not None else math.nan) for i, b in enumerate(bins)]},
+            args.reliability_plot)
+        res["reliability_plot"] = args.reliability_plot
     if args.json:
         print(json.dumps(res))
     else:

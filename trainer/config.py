@@ -207,6 +207,8 @@ class TrainerConfig:
     eval_every: int = 10  # 0 = never; evaluation also runs at step 0 and at the end
     eval_k: int = 1
     eval_temperature: float = 0.6  # for data sources aime/aime25/amc; others are greedy
+    # Sample eval_k responses at eval_temperature for every data source (pass@k, diversity for all).
+    eval_sample_all: bool = False
     eval_max_new_tokens: int | None = None  # None: rollout.max_new_tokens
     save_every: int = 0  # 0 = only at the end and on Ctrl-C
     keep_last: int = 2

@@ -74,6 +74,8 @@ def summarize(run_dir: Path) -> dict[str, Any]:
         "seconds": sum(r.get("time/step", 0.0) for r in recs),
         "law": None,
         "law_error": None,
+        # the last evaluation's pass@k, diversity and calibration (trainer/evaluation.py), when logged
+        "last_eval": next((r for r in reversed(evals) if "val_pass@1" in r), None),
     }
     # Pair each evaluation with the entropy of the rollouts of the same step (the policy it evaluated
     # saw those rollouts one update earlier); step 0 has no rollouts and is left out.
@@ -186,6 +188,7 @@ def write_report(run_dirs: list[Path], out_dir: Path, title: str = "fastcov repo
             f"{_fmt(law.r2 if law else None, '.3f')} | {_fmt(law.ceiling if law else None, '.3f')} | "
             f"{_fmt(s['selected_frac'], '.2e')} | {s['skipped_steps']} | {s['seconds']:.0f} |"
         )
+    lines += eval_section(summaries, out_dir, plots)
     notes = [s for s in summaries if s["law_error"]]
     if notes:
         lines += [""] + [f"- {s['name']}: no law fit ({s['law_error']})" for s in notes]
@@ -194,3 +197,39 @@ def write_report(run_dirs: list[Path], out_dir: Path, title: str = "fastcov repo
     path = out_dir / "report.md"
     path.write_text("\n".join(lines))
     return path, summaries
+
+
+def eval_section(summaries: list[dict[str, Any]], out_dir: Path, plots: list[Path]) -> list[str]:
+    """Markdown lines: pass@k / mean@k, diversity and calibration at each run's last evaluation, and the
+    reliability plot (appended to ``plots``). Empty when no run logged them."""
+    runs = [s for s in summaries if s.get("last_eval")]
+    if not runs:
+        return []
+    ks = sorted({int(k.split("@")[1]) for s in runs for k in s["last_eval"] if k.startswith("val_pass@")})
+    top = ks[-1]
+    cols = [f"pass@{k}" for k in ks] + [f"mean@{top}", "distinct-2", "distinct answers", "confidence", "ECE", "Brier"]
+    keys = [f"val_pass@{k}" for k in ks] + [f"val_mean@{top}", "val_distinct_2", "val_distinct_answers",
+                                            "val_confidence", "val_ece", "val_brier"]
+    lines = ["", "Last evaluation: pass@k (unbiased), mean@k, diversity over each prompt's samples, calibration "
+             "(sequence confidence vs correctness):", "",
+             "| run | step | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
+    for s in runs:
+        e = s["last_eval"]
+        lines.append(f"| {s['name']} | {e['step']} | " + " | ".join(_fmt(e.get(k), ".3f") for k in keys) + " |")
+    curves = {}
+    for s in runs:
+        bins = s["last_eval"].get("val_calibration_bins")
+        if isinstance(bins, list) and bins:
+            from fastcov.metrics import CalibrationBin
+
+            m = len(bins)
+            curves[s["name"]] = [CalibrationBin(i / m, (i + 1) / m, int(b[0]),
+                                                b[1] if b[1] is not None else math.nan,
+                                                b[2] if b[2] is not None else math.nan) for i, b in enumerate(bins)]
+    if curves:
+        from fastcov.metrics import reliability_plot
+
+        path = out_dir / "reliability.png"
+        reliability_plot(curves, path, title="Reliability at the last evaluation")
+        plots.append(path)
+    return lines

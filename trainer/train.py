@@ -355,13 +355,17 @@ def eval_sampling(data_source: str, tcfg, max_new_tokens: int) -> tuple[Sampling
     """(sampling params, sampled?) for one validation prompt: aime/aime25/amc sample, others greedy."""
     src = data_source.lower()
     sampled = any(src == s or src.startswith(s + "_") or src.endswith("/" + s) for s in SAMPLED_EVAL_SOURCES)
+    sampled = sampled or getattr(tcfg, "eval_sample_all", False)  # pass@k, diversity on any data source
     temp = tcfg.eval_temperature if sampled else 0.0
     return SamplingParams(temperature=temp, top_p=1.0, max_new_tokens=max_new_tokens), sampled
 
 
 def evaluate(rollout, val_set, reward_fn, tokenizer, cfg: Config, rank: int, world: int,
              device: torch.device, step: int) -> dict[str, float]:
-    """avg@k accuracy over the validation prompts (split across ranks); also per data source."""
+    """avg@k accuracy over the validation prompts (split across ranks); also per data source; and from the
+    same samples pass@k, mean@k, diversity and calibration (trainer/evaluation.py)."""
+    from fastcov.trainer.evaluation import EvalStats, answer_fn_for
+
     t = cfg.trainer
     k = t.eval_k
     max_new = t.eval_max_new_tokens or cfg.rollout.max_new_tokens
@@ -370,6 +374,7 @@ def evaluate(rollout, val_set, reward_fn, tokenizer, cfg: Config, rank: int, wor
     sources = sorted({e.data_source for e in val_set})
     per_source = {s: [0.0, 0.0] for s in sources}
     by_mode: dict[tuple[float, bool], list] = {}
+    extra = EvalStats(k, answer_fn_for(getattr(cfg.reward, "task", "math")))
     for ex in mine:
         sp, sampled = eval_sampling(ex.data_source, t, max_new)
         by_mode.setdefault((sp.temperature, sampled), []).append(ex)
@@ -383,6 +388,8 @@ def evaluate(rollout, val_set, reward_fn, tokenizer, cfg: Config, rank: int, wor
             acc = sum(oks[i * reps : (i + 1) * reps]) / reps
             per_source[e.data_source][0] += acc
             per_source[e.data_source][1] += 1
+            sl = slice(i * reps, (i + 1) * reps)
+            extra.add_prompt(oks[sl], out.token_ids[sl], out.logprobs[sl], texts[sl])
     flat = all_sum([v for s in sources for v in per_source[s]], device)
     res = {}
     tot_acc = tot_n = 0.0
@@ -393,6 +400,7 @@ def evaluate(rollout, val_set, reward_fn, tokenizer, cfg: Config, rank: int, wor
         if len(sources) > 1 and n:
             res[f"val_acc/{s}"] = acc / n
     res["val_acc"] = tot_acc / max(tot_n, 1.0)
+    res.update(extra.finalize(all_sum(extra.vector(), device)))
     return res
 
 
