@@ -60,11 +60,36 @@ def resolve_attn(choice: str, device: torch.device) -> str:
     return "sdpa"
 
 
-def build_model(mcfg, device: torch.device, dtype: torch.dtype, tokenizer=None) -> nn.Module:
-    """A causal LM (fp32 or bf16 parameters on ``device``): ``from_pretrained(path)`` or fresh from ``arch``."""
+# transformers reads the ZeRO-3 setting from the live HfDeepSpeedConfig object it was handed: it must
+# outlive the model's construction (and stays for the process, as the trainer's engine is created once).
+_HF_DEEPSPEED_CONFIG = None
+
+
+def param_dtype(mcfg, device: torch.device) -> torch.dtype:
+    """The dtype the policy's parameters are created in: bf16 on a GPU (DeepSpeed keeps the fp32
+    master weights inside the optimizer's partitions), fp32 on CPU or with ``model.dtype: fp32``."""
+    if mcfg.dtype == "fp32" or device.type != "cuda":
+        return torch.float32
+    return torch.bfloat16
+
+
+def build_model(mcfg, device: torch.device, dtype: torch.dtype, tokenizer=None, ds_config: dict | None = None) -> nn.Module:
+    """A causal LM (``dtype`` parameters on ``device``): ``from_pretrained(path)`` or fresh from ``arch``.
+
+    ``ds_config``: the DeepSpeed config the policy will be trained with. With ZeRO stage 3 the model is
+    created partitioned (transformers' DeepSpeed integration: ``HfDeepSpeedConfig`` before loading, so
+    construction runs inside ``deepspeed.zero.Init`` and a checkpoint's tensors go straight into each
+    rank's partition): no rank ever holds more than its 1/world share plus the layer being built.
+    """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     attn = resolve_attn(mcfg.attn_implementation, device)
+    zero3 = bool(ds_config) and ds_config.get("zero_optimization", {}).get("stage") == 3
+    if zero3:
+        from transformers.integrations import HfDeepSpeedConfig
+
+        global _HF_DEEPSPEED_CONFIG
+        _HF_DEEPSPEED_CONFIG = HfDeepSpeedConfig(ds_config)
     if mcfg.path is not None:
         try:
             model = AutoModelForCausalLM.from_pretrained(mcfg.path, dtype=dtype, attn_implementation=attn)
@@ -87,7 +112,7 @@ def build_model(mcfg, device: torch.device, dtype: torch.dtype, tokenizer=None) 
     if mcfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
-    return model.to(device)
+    return model if zero3 else model.to(device)  # ZeRO-3 partitions already sit on the device
 
 
 def decoder_of(model: nn.Module) -> nn.Module:
