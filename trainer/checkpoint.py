@@ -11,9 +11,9 @@ Layout of one checkpoint::
 Saving is two collective phases so that the trainer can make its metrics durable in between:
 
 1. ``write_checkpoint``: everything goes into ``.tmp_step_000010`` and is fsynced (files and folders);
-2. ``publish_checkpoint``: rank 0 renames it to ``step_000010``, fsyncs ``checkpoints/``, then retires all
-   but the newest ``keep_last`` (renamed to ``.del_*`` first, so a crash mid-delete never leaves a
-   half-deleted directory under a checkpoint's name).
+2. ``publish_checkpoint``: rank 0 fsyncs anything it added in between, renames it to ``step_000010``,
+   fsyncs ``checkpoints/``, then retires all but the newest ``keep_last`` (renamed to ``.del_*`` first,
+   so a crash mid-delete never leaves a half-deleted directory under a checkpoint's name).
 
 A crash at any moment leaves the previous checkpoints untouched; leftovers (``.tmp_*``, ``.del_*``) are
 removed by the next save. Every file of a checkpoint is untrusted input when it is read back: JSON is
@@ -169,6 +169,9 @@ def publish_checkpoint(tmp: Path, keep_last: int, rank: int) -> Path:
     tmp = Path(tmp)
     final = tmp.with_name(tmp.name[len(".tmp_"):])
     if rank == 0:
+        # files rank 0 added to tmp after write_checkpoint (e.g. an extra model's state) are synced too;
+        # fsync of the already-synced ones is cheap
+        fsync_tree(tmp)
         root = tmp.parent
         old = None
         if final.exists():  # a step saved again after resuming from an older checkpoint
