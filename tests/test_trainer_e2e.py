@@ -125,3 +125,54 @@ def test_cli_help_and_bad_config(capsys):
     assert "algo.mdoe" in capsys.readouterr().err
     assert main(["train", str(TINY), "algo.mode=kl_cov", "--print-config"]) == 0
     assert "mode: kl_cov" in capsys.readouterr().out
+
+
+def _mostly_uniform_rewards(self, texts, truths):
+    """A quarter of the prompts (by a hash of their answer) get rewards 0,1,0,1... over their group; the
+    rest all 1: most groups have zero variance and DAPO's filter drops them."""
+    import zlib
+
+    out, seen = [], {}
+    for truth in truths:
+        k = seen.get(truth, 0)
+        seen[truth] = k + 1
+        out.append(float(k % 2) if zlib.crc32(str(truth).encode()) % 4 == 0 else 1.0)
+    return out
+
+
+@pytest.mark.parametrize("max_gen_batches", [0, 2])
+def test_dapo_refill_fills_the_batch_with_informative_groups(tmp_path, monkeypatch, max_gen_batches):
+    monkeypatch.setattr(train_mod.RewardFn, "batch", _mostly_uniform_rewards)
+    trained = []
+    real_update = train_mod.update_policy
+
+    def spy(engine, seqs, kept_groups, *args, **kwargs):
+        by_group = {}
+        for s in seqs:
+            by_group.setdefault(s.group, []).append(s.reward)
+        trained.append((sorted(kept_groups), by_group))
+        return real_update(engine, seqs, kept_groups, *args, **kwargs)
+
+    monkeypatch.setattr(train_mod, "update_policy", spy)
+    cfg = tiny(tmp_path, "run", "trainer.max_steps=3", "trainer.eval_every=0", "algo.dapo_filter=true",
+               f"algo.max_gen_batches={max_gen_batches}", "algo.mode=vanilla")
+    run = train_mod.train(cfg)
+    recs = read_metrics(run / "metrics.jsonl")
+    assert len(recs) == 3 and len(trained) == 3
+    for rec, (groups, by_group) in zip(recs, trained):
+        assert rec["kept_groups"] == len(groups) == len(by_group)
+        for rewards in by_group.values():  # only groups with reward variance are trained on
+            assert len(set(rewards)) > 1 and len(rewards) == cfg.rollout.n
+        if max_gen_batches == 0:
+            assert rec["kept_groups"] == cfg.trainer.prompts_per_step  # refilled until full
+        else:
+            assert rec["gen_batches"] <= 2 and rec["kept_groups"] <= cfg.trainer.prompts_per_step
+    assert sum(r["gen_batches"] for r in recs) > len(recs), "a quarter of the groups survive: refills happen"
+    assert recs[-1]["filtered_groups"] > 0
+
+
+def test_refill_needs_the_dapo_filter(tmp_path):
+    from fastcov.trainer.config import ConfigError
+
+    with pytest.raises(ConfigError, match="algo.max_gen_batches"):
+        tiny(tmp_path, "run", "algo.max_gen_batches=3")

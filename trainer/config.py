@@ -174,7 +174,12 @@ class AlgoConfig:
     pos_weight_delta: float = 0.05
     high_entropy_fraction: float | None = LossConfig.high_entropy_fraction
     cov_score: Literal["batch", "vocab"] = LossConfig.cov_score
+    # DAPO dynamic sampling (verl's algorithm.filter_groups): drop prompt groups whose rewards are all equal
+    # and, while fewer than trainer.prompts_per_step groups are kept, generate another batch of prompts, up
+    # to max_gen_batches batches per step (0 = until full, as verl's max_num_gen_batches <= 0); a full batch
+    # is cut to prompts_per_step groups, a batch still short after max_gen_batches trains on what it has.
     dapo_filter: bool = False
+    max_gen_batches: int = 1
     ppo_epochs: int = 1
     mini_batches: int = 1  # optimizer steps per rollout batch
 
@@ -420,6 +425,9 @@ def validate(cfg: Config) -> Config:
     _check(c.max_output_kb > 0, "reward.code.max_output_kb", "must be > 0")
     _check(c.sandbox_fusion_url is None or c.sandbox_fusion_url.startswith(("http://", "https://")),
            "reward.code.sandbox_fusion_url", "must start with http:// or https://")
+    _check(a.max_gen_batches >= 0, "algo.max_gen_batches", f"must be >= 0 (0 = until full), got {a.max_gen_batches}")
+    _check(a.max_gen_batches == 1 or a.dapo_filter, "algo.max_gen_batches",
+           "refilling only applies to DAPO's filter: set algo.dapo_filter=true (or max_gen_batches 1)")
     _check(o.lr > 0, "optim.lr", f"must be > 0, got {o.lr}")
     _check(o.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
     _check(all(0 <= b < 1 for b in o.betas), "optim.betas", "must be in [0, 1)")

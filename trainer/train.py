@@ -351,6 +351,99 @@ def update_policy(engine, seqs: list[Sequence], kept_groups: list[int], cfg: Con
     return stats
 
 
+@dataclass
+class Collected:
+    """Steps 1-3 of a training step on this rank: its kept sequences (advantages set), the global ids of
+    the kept prompt groups (the same list on every rank, ordered rank by rank so ``update_policy``'s
+    rank order is global order), and what the metrics need about everything generated this step."""
+
+    seqs: list[Sequence]
+    kept_groups: list[int]
+    prompts: list[list[int]]
+    token_ids: list[list[int]]
+    rewards: list[float]
+    n_generated: int
+    gen_batches: int
+    times: dict[str, float]
+
+
+def collect_rollouts(cfg: Config, step: int, sampler, train_set, rollout, reward_fn, tokenizer,
+                     generator: torch.Generator, counters: dict, rank: int, device: torch.device,
+                     ckpt_root: Path) -> Collected:
+    """Steps 1-3: sample prompts, generate ``rollout.n`` responses each, score them, compute advantages
+    and drop the groups the filters reject (DAPO: all rewards equal; PRIME: accuracy out of band).
+
+    With ``algo.dapo_filter`` and ``algo.max_gen_batches`` != 1 this repeats with fresh prompts until
+    ``prompts_per_step`` groups are kept (verl's dynamic sampling): the first ``prompts_per_step`` kept
+    groups in generation order are trained on; a step still short after ``max_gen_batches`` batches
+    trains on what it has. Advantages are computed per generated batch. Every rank must call it.
+    """
+    t, a, r = cfg.trainer, cfg.algo, cfg.rollout
+    world = world_size()
+    local = t.prompts_per_step // world
+    limit = a.max_gen_batches if a.dapo_filter else 1
+    span = local * (limit if limit > 0 else 1_000_000)  # group ids: rank-major, then batch, then prompt
+    sampling = SamplingParams(r.temperature, r.top_p, r.max_new_tokens)
+    times = {"rollout": 0.0, "reward": 0.0}
+    kept: list[tuple[int, int, int]] = []  # (batch, global prompt index in batch, group id)
+    pending: dict[int, list[Sequence]] = {}
+    all_prompts, all_ids, all_rewards = [], [], []
+    n_batches = 0
+    while True:
+        n_batches += 1
+        t0 = time.perf_counter()
+        batch_idx = sampler.next(t.prompts_per_step)  # same global order on every rank
+        examples = [train_set[i] for i in batch_idx[rank * local : (rank + 1) * local]]
+        prompts = [ex.prompt_ids for ex in examples for _ in range(r.n)]
+        try:
+            out = rollout.generate(prompts, sampling, generator)
+        except Exception as exc:
+            last = latest_checkpoint(ckpt_root)
+            raise RolloutError(
+                f"rollout engine failed at step {step}: {type(exc).__name__}: {exc}. "
+                f"Last checkpoint: {last if last else 'none'} (intact); resume with --resume."
+            ) from exc
+        times["rollout"] += time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        texts = tokenizer.batch_decode(out.token_ids, skip_special_tokens=True)
+        timeouts_before = reward_fn.timeouts
+        local_rewards = reward_fn.batch(texts, [examples[i // r.n].ground_truth for i in range(len(texts))])
+        counters["reward_timeouts"] += int(all_sum([reward_fn.timeouts - timeouts_before], device)[0])
+        times["reward"] += time.perf_counter() - t0
+
+        rewards = torch.tensor(all_gather_floats(local_rewards, device), dtype=torch.float32)
+        # prime: RLOO here as a placeholder; token_adv.apply (after step 4) sets the token-level advantages
+        seq_estimator = "rloo" if a.adv_estimator == "prime" else a.adv_estimator
+        adv = get_advantage(seq_estimator)(rewards, r.n).view(t.prompts_per_step, r.n)
+        keep = torch.ones(t.prompts_per_step, dtype=torch.bool)
+        if a.dapo_filter:
+            keep = dapo_filter(rewards, r.n).view(t.prompts_per_step, r.n)[:, 0]
+        if a.adv_estimator == "prime" and a.prime.acc_filter:
+            keep &= prime_keep(rewards, r.n, cfg.reward.kind, a.prime.acc_low, a.prime.acc_high)
+        counters["filtered_groups"] += int((~keep).sum())
+        batch = n_batches - 1
+        for g in range(t.prompts_per_step):
+            if keep[g]:
+                owner, j = divmod(g, local)
+                kept.append((batch, g, owner * span + batch * local + j))
+        for i in range(len(prompts)):
+            g = rank * local + i // r.n
+            if keep[g]:
+                gid = rank * span + batch * local + i // r.n
+                pending.setdefault(gid, []).append(Sequence(
+                    prompts[i], out.token_ids[i], out.logprobs[i], gid,
+                    reward=local_rewards[i], advantage=float(adv[g, i % r.n])))
+        all_prompts += prompts
+        all_ids += out.token_ids
+        all_rewards += local_rewards
+        if len(kept) >= t.prompts_per_step or (limit > 0 and n_batches >= limit):
+            break
+    chosen = sorted(gid for _, _, gid in kept[: t.prompts_per_step])
+    seqs = [s for gid in chosen for s in pending.get(gid, [])]
+    return Collected(seqs, chosen, all_prompts, all_ids, all_rewards, sum(len(x) for x in all_ids), n_batches, times)
+
+
 def eval_sampling(data_source: str, tcfg, max_new_tokens: int) -> tuple[SamplingParams, bool]:
     """(sampling params, sampled?) for one validation prompt: aime/aime25/amc sample, others greedy."""
     src = data_source.lower()
@@ -584,59 +677,19 @@ def _train(cfg: Config, resume, stop_at, on_end, closing: contextlib.ExitStack, 
         res = evaluate(rollout, val_set, reward_fn, tokenizer, cfg, rank, world, device, 0)
         log_durably({"step": 0, **res})
 
-    local_prompts = t.prompts_per_step // world
     with _StopFlag() as stop:
         while step < t.max_steps:
             step += 1
             t_step = time.perf_counter()
-            times: dict[str, float] = {}
             rec: dict = {"step": step}
 
-            # ---------------------------------------------------------- 1. prompts and rollouts
-            t0 = time.perf_counter()
-            batch_idx = sampler.next(t.prompts_per_step)  # same global order on every rank
-            my_idx = batch_idx[rank * local_prompts : (rank + 1) * local_prompts]
-            examples = [train_set[i] for i in my_idx]
-            prompts = [ex.prompt_ids for ex in examples for _ in range(r.n)]
-            sampling = SamplingParams(r.temperature, r.top_p, r.max_new_tokens)
-            try:
-                out = rollout.generate(prompts, sampling, gens["sample"])
-            except Exception as exc:
-                last = latest_checkpoint(ckpt_root)
-                raise RolloutError(
-                    f"rollout engine failed at step {step}: {type(exc).__name__}: {exc}. "
-                    f"Last checkpoint: {last if last else 'none'} (intact); resume with --resume."
-                ) from exc
-            times["rollout"] = time.perf_counter() - t0
-            n_generated = sum(len(x) for x in out.token_ids)
-
-            # ---------------------------------------------------------- 2. rewards
-            t0 = time.perf_counter()
-            texts = tokenizer.batch_decode(out.token_ids, skip_special_tokens=True)
-            timeouts_before = reward_fn.timeouts
-            local_rewards = reward_fn.batch(texts, [examples[i // r.n].ground_truth for i in range(len(texts))])
-            counters["reward_timeouts"] += int(all_sum([reward_fn.timeouts - timeouts_before], device)[0])
-            times["reward"] = time.perf_counter() - t0
-
-            # ---------------------------------------------------------- 3. advantages (+ DAPO filter)
-            rewards = torch.tensor(all_gather_floats(local_rewards, device), dtype=torch.float32)
-            # prime: RLOO here as a placeholder; token_adv.apply (after step 4) sets the token-level advantages
-            seq_estimator = "rloo" if a.adv_estimator == "prime" else a.adv_estimator
-            adv = get_advantage(seq_estimator)(rewards, r.n).view(t.prompts_per_step, r.n)
-            keep = torch.ones(t.prompts_per_step, dtype=torch.bool)
-            if a.dapo_filter:
-                keep = dapo_filter(rewards, r.n).view(t.prompts_per_step, r.n)[:, 0]
-            if a.adv_estimator == "prime" and a.prime.acc_filter:
-                keep &= prime_keep(rewards, r.n, cfg.reward.kind, a.prime.acc_low, a.prime.acc_high)
-            counters["filtered_groups"] += int((~keep).sum())
-            rec["kept_groups"] = int(keep.sum())
-            first = rank * local_prompts
-            seqs: list[Sequence] = []
-            for i in range(len(prompts)):
-                g = first + i // r.n
-                if keep[g]:
-                    seqs.append(Sequence(prompts[i], out.token_ids[i], out.logprobs[i], g,
-                                         reward=local_rewards[i], advantage=float(adv[g, i % r.n])))
+            # ---------------------------------------------------------- 1-3. rollouts, rewards, advantages
+            # (with DAPO's filter: more batches of prompts until prompts_per_step groups are kept)
+            col = collect_rollouts(cfg, step, sampler, train_set, rollout, reward_fn, tokenizer, gens["sample"],
+                                   counters, rank, device, ckpt_root)
+            seqs, times = col.seqs, col.times
+            rec["kept_groups"] = len(col.kept_groups)
+            rec["gen_batches"] = col.gen_batches
 
             # ---------------------------------------------------------- 4. old log-probs, entropy
             t0 = time.perf_counter()
@@ -654,7 +707,7 @@ def _train(cfg: Config, resume, stop_at, on_end, closing: contextlib.ExitStack, 
             t0 = time.perf_counter()
             lam = lam_sched.value if lam_sched is not None else a.pos_adv_weight
             loss_cfg = loss_config(a, pos_adv_weight=lam)
-            kept_groups = [g for g in range(t.prompts_per_step) if keep[g]]
+            kept_groups = col.kept_groups
             lr = lr_at(engine.steps, cfg.optim, t.max_steps * a.ppo_epochs * a.mini_batches)
             upd = update_policy(engine, seqs, kept_groups, cfg, loss_cfg, lr, pad_id, device, gens["select"])
             if upd.skipped_steps:
@@ -670,9 +723,9 @@ def _train(cfg: Config, resume, stop_at, on_end, closing: contextlib.ExitStack, 
             times["sync"] = time.perf_counter() - t0
 
             # ---------------------------------------------------------- 7. metrics
-            resp_lens = [len(x) for x in out.token_ids]
-            n_prompt_tok = sum(len(p) for p in prompts)
-            tot = all_sum([sum(local_rewards), len(local_rewards), sum(resp_lens), ent_sum, tok_sum, lp_diff,
+            resp_lens = [len(x) for x in col.token_ids]
+            n_prompt_tok = sum(len(p) for p in col.prompts)
+            tot = all_sum([sum(col.rewards), len(col.rewards), sum(resp_lens), ent_sum, tok_sum, lp_diff,
                            n_prompt_tok, float(upd.metric_tokens), upd.loss_sum], device)
             (r_sum, r_n, len_sum, e_sum, tk_sum, d_sum, p_sum, m_n, l_sum) = tot
             keys = list(LOSS_METRICS)
@@ -716,7 +769,7 @@ def _train(cfg: Config, resume, stop_at, on_end, closing: contextlib.ExitStack, 
             rec.update({f"time/{k}": v for k, v in times.items()})
             rec["time/step"] = dt
             rec["tokens_per_s"] = (p_sum + len_sum) / dt
-            rec["tokens_per_s/rollout"] = all_sum([float(n_generated)], device)[0] / max(times["rollout"], 1e-9)
+            rec["tokens_per_s/rollout"] = all_sum([float(col.n_generated)], device)[0] / max(times["rollout"], 1e-9)
             log_durably(rec)
             if pending is not None:
                 publish_checkpoint(pending, t.keep_last, rank)
