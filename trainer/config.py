@@ -168,10 +168,21 @@ class AlgoConfig:
     entropy_coef: float = LossConfig.entropy_coef
     pos_adv_weight: float = LossConfig.pos_adv_weight
     neg_adv_weight: float = LossConfig.neg_adv_weight
-    # Jin et al.'s entropy-guided lambda schedule for the positive-advantage weight.
+    # Jin et al. 2025 ("Revisiting Entropy in RL for Large Reasoning Models"): the loss of tokens with A > 0 is
+    # multiplied by lambda. Off: lambda = pos_adv_weight. On: lambda follows fastcov.schedules.PositiveWeightSchedule,
+    # stepped once per training step (docs/papers.md):
+    #   entropy (the paper's): lambda starts at pos_weight_init (0) and after each step moves by -delta when the
+    #     rollout entropy H < pos_weight_target_entropy (delta 0.2), +delta otherwise (Delta 0.05), clipped to [0, 1];
+    #   stage: pos_weight_stages [[step, lambda], ...] (first at step 0); epoch: pos_weight_values, one per
+    #     pos_weight_steps_per_epoch steps; constant: pos_weight_init forever.
     pos_weight_schedule: bool = False
+    pos_weight_kind: Literal["entropy", "stage", "epoch", "constant"] = "entropy"
+    pos_weight_init: float = 0.0
     pos_weight_target_entropy: float = 0.2
     pos_weight_delta: float = 0.05
+    pos_weight_stages: list[tuple[int, float]] = field(default_factory=list)
+    pos_weight_values: list[float] = field(default_factory=list)
+    pos_weight_steps_per_epoch: int = 0
     high_entropy_fraction: float | None = LossConfig.high_entropy_fraction
     cov_score: Literal["batch", "vocab"] = LossConfig.cov_score
     # DAPO dynamic sampling (verl's algorithm.filter_groups): drop prompt groups whose rewards are all equal
@@ -343,6 +354,22 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
 
 # ----------------------------------------------------------------------------------------------- values
 
+def positive_weight_schedule(a: AlgoConfig):
+    """The lambda schedule an ``algo`` section with ``pos_weight_schedule: true`` describes."""
+    from fastcov.schedules import PositiveWeightSchedule
+
+    kind = a.pos_weight_kind
+    if kind == "entropy":
+        return PositiveWeightSchedule("entropy", init=a.pos_weight_init, threshold=a.pos_weight_target_entropy,
+                                      step_size=a.pos_weight_delta)
+    if kind == "constant":
+        return PositiveWeightSchedule("constant", init=a.pos_weight_init)
+    if kind == "stage":
+        return PositiveWeightSchedule("stage", stages=a.pos_weight_stages)
+    return PositiveWeightSchedule("epoch", values=a.pos_weight_values,
+                                  steps_per_epoch=a.pos_weight_steps_per_epoch or None)
+
+
 def _check(cond: bool, key: str, msg: str) -> None:
     if not cond:
         raise ConfigError(f"{key}: {msg}")
@@ -400,6 +427,16 @@ def validate(cfg: Config) -> Config:
     for name in ("pos_adv_weight", "neg_adv_weight"):
         v = getattr(a, name)
         _check(0 <= v <= 1, f"algo.{name}", f"must be in [0, 1], got {v}")
+    if a.pos_weight_schedule:
+        try:
+            positive_weight_schedule(a)
+        except ValueError as exc:
+            msg = str(exc)
+            key = next((k for word, k in (("threshold", "pos_weight_target_entropy"), ("step_size", "pos_weight_delta"),
+                                          ("steps_per_epoch", "pos_weight_steps_per_epoch"),
+                                          ("stage", "pos_weight_stages"), ("values", "pos_weight_values"))
+                        if word in msg), "pos_weight_init")
+            raise ConfigError(f"algo.{key}: {msg}") from None
     _check(a.high_entropy_fraction is None or 0 < a.high_entropy_fraction <= 1,
            "algo.high_entropy_fraction", "must be in (0, 1]")
     _check(a.ppo_epochs >= 1, "algo.ppo_epochs", "must be >= 1")

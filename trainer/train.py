@@ -38,7 +38,7 @@ from fastcov.trainer.batch import MicroBatch, Sequence, micro_batches, sequence_
 from fastcov.trainer.checkpoint import (CheckpointError, check_checkpoint, fsync_path, fsync_tree,
                                        latest_checkpoint, load_checkpoint, move_aside, publish_checkpoint,
                                        trim_metrics, write_checkpoint)
-from fastcov.trainer.config import Config, ConfigError, save_config
+from fastcov.trainer.config import Config, ConfigError, positive_weight_schedule, save_config
 from fastcov.trainer.data import PromptSampler, load_train_val, prepare_data
 from fastcov.trainer.engine import PolicyEngine, ds_config, init_distributed, lr_at, pick_device
 from fastcov.trainer.metrics import MetricsLogger
@@ -605,9 +605,7 @@ def _train(cfg: Config, resume, stop_at, on_end, closing: contextlib.ExitStack, 
         "sample": torch.Generator(device=device).manual_seed(t.seed * 1_000_003 + rank),
         "select": torch.Generator(device=device).manual_seed(t.seed * 1_000_033 + rank + 17),
     }
-    lam_sched = (PositiveWeightSchedule("entropy", init=a.pos_adv_weight, threshold=a.pos_weight_target_entropy,
-                                        step_size=a.pos_weight_delta)
-                 if a.pos_weight_schedule else None)
+    lam_sched = positive_weight_schedule(a) if a.pos_weight_schedule else None  # Jin et al.'s lambda
     counters = {"skipped_steps": 0, "filtered_groups": 0, "reward_timeouts": 0}
     step = 0
     if resume_path is not None:
