@@ -36,13 +36,15 @@ test-verl: $(VERL_STAMP)
 
 # vLLM API drift: the engine and its fakes against the source of each supported vLLM release (no install:
 # the wheels pin a CUDA torch). Downloads the wheels without dependencies, keeps their .py files in
-# VLLM_SRC (git-ignored); `make test` runs the same check whenever that cache exists.
+# VLLM_SRC (git-ignored); `make test` runs the same check whenever that cache exists. Every release of the
+# range: make test-vllm-api VLLM_VERSIONS="0.26.0 0.27.0 0.28.0 0.29.0 0.30.0 0.31.0 0.32.0 0.33.0"
 VLLM_SRC      := .cache/vllm-src
 VLLM_VERSIONS := 0.26.0 0.33.0
 
 test-vllm-api: $(STAMP)
 	$(PY) tests/test_vllm_api.py fetch $(VLLM_SRC) $(VLLM_VERSIONS)
-	FASTCOV_VLLM_SRC=$(VLLM_SRC) $(PY) -m pytest -q -ra tests/test_vllm_api.py tests/test_rollout_vllm.py
+	FASTCOV_VLLM_SRC=$(VLLM_SRC) FASTCOV_VLLM_VERSIONS="$(VLLM_VERSIONS)" \
+		$(PY) -m pytest -q -ra tests/test_vllm_api.py tests/test_rollout_vllm.py
 
 bench: $(STAMP)
 	$(PY) -m bench.kernels --preset cpu-small
