@@ -4,6 +4,7 @@ weight-update order, all against fakes (vLLM cannot be installed here). The fake
 attributes are checked against vLLM's source by tests/test_vllm_api.py (FAKE_OF says which class each fakes).
 """
 
+import os
 import sys
 import types
 from pathlib import Path
@@ -538,3 +539,88 @@ def test_server_engine_over_real_http():
     finally:
         server.shutdown()
         server.server_close()
+
+
+def _fake_vllm_tree(monkeypatch, version, registry, calls):
+    """A fake ``vllm`` package with just what make_vllm_engine and the fastcov_local backend import."""
+    vllm = _fake_vllm(monkeypatch, version)
+
+    class LLM(FakeLLM):
+        def __init__(self, **kwargs):
+            super().__init__()
+            self.kwargs = kwargs
+            calls.append(("LLM", kwargs))
+
+    class WeightTransferEngine:  # the real base's constructor and update path (parse, receive)
+        def __init__(self, config, vllm_config, device, model):
+            self.config, self.vllm_config, self.device, self.model = config, vllm_config, device, model
+            self.model_config = "model-config"
+
+        def update_weights(self, update_info):
+            self.receive_weights(self.update_info_cls(**update_info))
+
+    class WeightTransferEngineFactory:
+        @classmethod
+        def register_engine(cls, name, module_path_or_cls, class_name=None):
+            if name in registry:
+                raise ValueError(f"Weight transfer engine '{name}' is already registered.")
+            registry[name] = module_path_or_cls
+
+    mods = {"vllm.distributed": {}, "vllm.distributed.weight_transfer": {},
+            "vllm.distributed.weight_transfer.base": {"WeightTransferEngine": WeightTransferEngine},
+            "vllm.distributed.weight_transfer.factory": {"WeightTransferEngineFactory": WeightTransferEngineFactory},
+            "vllm.model_executor": {}, "vllm.model_executor.model_loader": {},
+            "vllm.model_executor.model_loader.reload": {
+                "initialize_layerwise_reload": lambda model: calls.append(("init_reload", model)),
+                "finalize_layerwise_reload": lambda model, cfg: calls.append(("finalize_reload", model, cfg))}}
+    for name, attrs in mods.items():
+        m = types.ModuleType(name)
+        for k, v in attrs.items():
+            setattr(m, k, v)
+        monkeypatch.setitem(sys.modules, name, m)
+    vllm.LLM, vllm.SamplingParams = LLM, FakeSamplingParams
+    return vllm
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_make_vllm_engine_builds_the_colocated_engine(monkeypatch, tmp_path, zero):
+    """The factory path without a GPU: vLLM's kwargs, the model directory vLLM reads (with its
+    architecture), the fastcov_local backend registered once and loading through vLLM's layerwise reload,
+    the sleep level chosen by the ZeRO stage."""
+    import json
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from fastcov.trainer.config import load_config
+
+    registry, calls = {}, []
+    _fake_vllm_tree(monkeypatch, "0.30.0", registry, calls)
+    monkeypatch.setattr(rv, "_LOCAL_ENGINE_CLS", None)
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", ["rollout.engine=vllm", f"trainer.run_dir={tmp_path}",
+                                                       f"trainer.zero_stage={zero}"])
+    lm = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1))
+    assert not lm.config.architectures
+    eng = rv.make_vllm_engine(cfg, lm, NS(eos_token_id=2), device=torch.device("cuda", 0))
+    assert isinstance(eng, rv.VLLMColocatedEngine) and eng.sleep_level == (2 if zero < 3 else 1)
+    assert calls[0] == ("LLM", rv.colocated_llm_kwargs(cfg, str(tmp_path / "vllm" / "rank0")))
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    saved = json.loads((tmp_path / "vllm" / "rank0" / "config.json").read_text())
+    assert saved["architectures"] == ["Qwen2ForCausalLM"] and not lm.config.architectures  # a copy
+    assert eng.llm.events == [("sleep", 2)]
+
+    backend = registry["fastcov_local"]
+    rv.register_local_backend()  # a second registration in the same process is fine
+    loaded = []
+    target = NS(load_weights=lambda weights: loaded.extend(n for n, _ in weights))
+    worker_side = backend("config", "vllm_config", torch.device("cpu"), target)
+    worker_side.init_transfer_engine(rv.LocalInitInfo())
+    worker_side.start_weight_update()
+    chunk = rv.pack_flat(list(lm.named_parameters())[:2], torch.bfloat16)
+    worker_side.update_weights({"weights": chunk.views()})
+    worker_side.finish_weight_update()
+    assert loaded == chunk.names and calls[1:] == [("init_reload", target), ("finalize_reload", target,
+                                                                                "model-config")]
+    with pytest.raises(NotImplementedError):
+        backend.trainer_send_weights(iter([]), {})
