@@ -97,8 +97,31 @@ class TokenAdvantages:
         return metrics
 
 
+def _full_copy(lm: torch.nn.Module) -> torch.nn.Module:
+    """``lm`` itself, or under ZeRO-3 (parameters created partitioned) an unpartitioned model built from
+    ``lm``'s config holding the gathered weights (a full copy on every rank, as the reference needs)."""
+    if not any(hasattr(p, "ds_id") for p in lm.parameters()):
+        return lm
+    import deepspeed
+    import transformers.integrations.deepspeed as hf_ds
+    from transformers import AutoModelForCausalLM
+
+    with deepspeed.zero.GatheredParameters(list(lm.parameters()), modifier_rank=None):
+        state = {k: v.detach().clone() for k, v in lm.state_dict().items()}
+    first = next(iter(state.values()))
+    held = hf_ds._hf_deepspeed_config_weak_ref
+    hf_ds.unset_hf_deepspeed_config()  # build this one unpartitioned
+    try:
+        full = AutoModelForCausalLM.from_config(lm.config, dtype=first.dtype)
+    finally:
+        hf_ds._hf_deepspeed_config_weak_ref = held
+    full.load_state_dict(state)
+    return full.to(first.device)
+
+
 def make_token_advantages(cfg, lm: torch.nn.Module) -> TokenAdvantages | None:
+    """``lm``: the policy's model as built (possibly ZeRO-3 partitioned), before training starts."""
     a = cfg.algo
     if a.adv_estimator == "prime" or (a.adv_estimator == "reinforce_pp" and a.kl_coef > 0):
-        return TokenAdvantages(cfg, lm)
+        return TokenAdvantages(cfg, _full_copy(lm))
     return None
