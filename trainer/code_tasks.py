@@ -139,33 +139,33 @@ def _task(rng: random.Random) -> tuple[str, str, list[tuple[str, str]]]:
     kind = rng.choice(["sum", "max", "reverse", "count", "scale"])
     tests: list[tuple[str, str]] = []
     if kind == "sum":
-        prompt = "read integers separated by spaces from one line and print their sum ."
+        prompt = "reads integers separated by spaces from one line and prints their sum ."
         ref = "print(sum(map(int, input().split())))"
         for _ in range(3):
             xs = [rng.randint(-50, 50) for _ in range(rng.randint(1, 6))]
             tests.append((" ".join(map(str, xs)) + "\n", f"{sum(xs)}\n"))
     elif kind == "max":
-        prompt = "read integers separated by spaces from one line and print the largest ."
+        prompt = "reads integers separated by spaces from one line and prints the largest ."
         ref = "print(max(map(int, input().split())))"
         for _ in range(3):
             xs = [rng.randint(-50, 50) for _ in range(rng.randint(1, 6))]
             tests.append((" ".join(map(str, xs)) + "\n", f"{max(xs)}\n"))
     elif kind == "reverse":
-        prompt = "read one word and print it reversed ."
+        prompt = "reads one word and prints it reversed ."
         ref = "print(input().strip()[::-1])"
         for _ in range(3):
             w = "".join(rng.choice("abcdefgh") for _ in range(rng.randint(1, 8)))
             tests.append((w + "\n", w[::-1] + "\n"))
     elif kind == "count":
         c = rng.choice("abc")
-        prompt = f"read one word and print how many times the letter {c} occurs in it ."
+        prompt = f"reads one word and prints how many times the letter {c} occurs in it ."
         ref = f"print(input().count({c!r}))"
         for _ in range(3):
             w = "".join(rng.choice("abcd") for _ in range(rng.randint(1, 10)))
             tests.append((w + "\n", f"{w.count(c)}\n"))
     else:
         m = rng.randint(2, 9)
-        prompt = f"read one integer n and print n times {m} ."
+        prompt = f"reads one integer n and prints n times {m} ."
         ref = f"print(int(input()) * {m})"
         for _ in range(3):
             n = rng.randint(-100, 100)
