@@ -52,7 +52,7 @@ def test_ce_loss_pushes_scores_toward_the_labels():
     rm = rm.clone().requires_grad_(True)
     labels = torch.tensor([1.0, 0.0, 1.0, 0.0])
     loss, score = ta.prime_ce_loss(rm, ref, mask, labels, beta=0.05)
-    want = torch.nn.functional.binary_cross_entropy_with_logits(0.05 * ((rm - ref) * mask).sum(-1), labels)
+    want = torch.nn.functional.binary_cross_entropy_with_logits(0.05 * ((rm.detach() - ref) * mask).sum(-1), labels)
     assert float(loss.detach()) == pytest.approx(float(want))
     loss.backward()
     # correct responses: raise log pi_rm on their tokens (negative gradient); wrong: lower it

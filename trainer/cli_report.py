@@ -8,8 +8,9 @@ import argparse
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Write report.md (per run: final entropy, final validation accuracy, the fitted entropy law "
-        "R = -a*exp(H) + b, its R² and ceiling b - a) and PNG plots (entropy vs step, validation "
-        "accuracy vs step, R vs H with the fitted law) from run directories holding metrics.jsonl."
+        "R = -a*exp(H) + b, its R² and ceiling b - a; pass@k, diversity and calibration at the last evaluation when "
+        "logged) and PNG plots (entropy vs step, validation accuracy vs step, R vs H with the fitted law, "
+        "reliability) from run directories holding metrics.jsonl."
     )
     parser.add_argument("runs", nargs="+", help="run directories (each with metrics.jsonl)")
     parser.add_argument("--out", default=None, help="output directory (default: parent of the first run)")
