@@ -89,19 +89,32 @@ class MemoryPlan:
     rollout_weights: float
     rollout_kv_cache: float
     gpu_memory: float
+    zero3_gathered: float = 0.0  # ZeRO-3: the gathered LM head and its full gradient, while the head runs
+    rollout_during_training: float = 0.0  # what the rollout engine keeps while the policy trains
+    host_optimizer_states: float = 0.0  # ZeRO-Offload: the optimizer states in host memory, per rank
+    rollout_engine: str = "separate"  # vllm | hf-shared | hf-copy | separate (the plain model-level plan)
+
+    @property
+    def training_resident(self) -> float:
+        """What the policy keeps on the GPU at all times: its parameters, gradients and optimizer states."""
+        return self.parameters + self.gradients + self.optimizer_states
 
     @property
     def training_total(self) -> float:
-        """Training-time peak with the fused kernel (rollout memory is released by sleep mode)."""
-        return self.parameters + self.gradients + self.optimizer_states + self.activations + self.logits_fused
+        """Training-time peak with the fused kernel (plus what the rollout engine keeps meanwhile)."""
+        return (self.training_resident + self.activations + self.logits_fused + self.zero3_gathered
+                + self.rollout_during_training)
 
     @property
     def training_total_naive(self) -> float:
-        return self.parameters + self.gradients + self.optimizer_states + self.activations + self.logits_naive
+        return (self.training_resident + self.activations + self.logits_naive + self.zero3_gathered
+                + self.rollout_during_training)
 
     @property
     def rollout_total(self) -> float:
-        return self.rollout_weights + self.rollout_kv_cache
+        """Rollout-time peak: the rollout engine, plus the policy's resident state when they share the GPU."""
+        engine = self.rollout_weights + self.rollout_kv_cache
+        return engine if self.rollout_engine == "separate" else engine + self.training_resident
 
     def fits(self, naive: bool = False) -> bool:
         train = self.training_total_naive if naive else self.training_total
@@ -110,23 +123,27 @@ class MemoryPlan:
     def to_dict(self) -> dict:
         out = asdict(self)
         out.update(training_total=self.training_total, training_total_naive=self.training_total_naive,
-                   rollout_total=self.rollout_total, fits=self.fits(), fits_naive=self.fits(naive=True))
+                   rollout_total=self.rollout_total, peak=max(self.training_total, self.rollout_total),
+                   fits=self.fits(), fits_naive=self.fits(naive=True))
         return out
 
 
 def plan_memory(model: ModelShape, *, gpus: int, tokens_per_gpu: int, zero_stage: int = 3,
                 gpu_memory_gib: float = 80.0, rollout_tp: int = 2, kv_tokens_per_gpu: int | None = None,
-                gradient_checkpointing: bool = True) -> MemoryPlan:
+                gradient_checkpointing: bool = True, offload_optimizer: bool = False,
+                workspace_mb: float = 256.0) -> MemoryPlan:
     """Per-GPU bytes of each part of a colocated RL step.
 
     ZeRO stage s shards the fp32 optimizer states (12 bytes/parameter: master, m, v) for s ≥ 1, the bf16
-    gradients (2 bytes) for s ≥ 2 and the bf16 parameters (2 bytes) for s = 3 over `gpus`.
+    gradients (2 bytes) for s ≥ 2 and the bf16 parameters (2 bytes) for s = 3 over `gpus`; with
+    `offload_optimizer` the optimizer states sit in host memory instead. Under ZeRO-3 the LM head is
+    gathered while it runs, with its full gradient before the reduce-scatter: 2·V·H·2 bytes.
     Activations with checkpointing: each layer's bf16 input (T·H·2) plus one layer recomputed
     (T·(10·H + 4·I)·2: q/k/v/o, norms, residuals and the SwiGLU intermediates; attention by SDPA/flash,
     no T² term). Without checkpointing, every layer's working set is kept.
     Logits, naive: bf16 logits, their fp32 copy and fp32 log-softmax, T·V·(2 + 4 + 4). Fused
-    (fastcov's Triton path): O(T) statistics, the fp32 dh accumulator T·H·4 and the fp32 dW
-    accumulator V·H·4. Rollout: bf16 weights split over `rollout_tp` GPUs and a bf16 KV cache of
+    (fastcov): O(T) statistics (4 fp32 per token) and the backward's dZ workspace, min(budget, T·V·2)
+    (docs/kernels.md). Rollout: bf16 weights split over `rollout_tp` GPUs and a bf16 KV cache of
     2·L·kv_heads·head_dim·2 bytes per token for `kv_tokens_per_gpu` tokens (default: tokens_per_gpu).
     """
     if model is None:
@@ -140,16 +157,20 @@ def plan_memory(model: ModelShape, *, gpus: int, tokens_per_gpu: int, zero_stage
         raise ValueError(f"gpu_memory_gib must be > 0, got {gpu_memory_gib!r}")
     psi = model.num_parameters()
     t, h, i, v, layers = tokens_per_gpu, model.hidden_size, model.intermediate_size, model.vocab_size, model.num_layers
+    if offload_optimizer and zero_stage < 1:
+        raise ValueError("offload_optimizer needs zero_stage >= 1")
     parameters = 2 * psi / (gpus if zero_stage == 3 else 1)
     gradients = 2 * psi / (gpus if zero_stage >= 2 else 1)
     optimizer = 12 * psi / (gpus if zero_stage >= 1 else 1)
+    host_optimizer = optimizer if offload_optimizer else 0.0
+    optimizer = 0.0 if offload_optimizer else optimizer
     layer_working_set = t * (10 * h + 4 * i) * 2
     if gradient_checkpointing:
         activations = layers * t * h * 2 + layer_working_set
     else:
         activations = layers * layer_working_set
     logits_naive = t * v * (2 + 4 + 4)
-    logits_fused = t * 4 * 4 + t * h * 4 + v * h * 4
+    logits_fused = t * 4 * 4 + min(workspace_mb * 2**20, t * v * 2)
     kv_tokens = tokens_per_gpu if kv_tokens_per_gpu is None else kv_tokens_per_gpu
     kv_per_token = 2 * layers * model.num_kv_heads * model.head_dim * 2
     return MemoryPlan(
@@ -157,8 +178,63 @@ def plan_memory(model: ModelShape, *, gpus: int, tokens_per_gpu: int, zero_stage
         parameters=parameters, gradients=gradients, optimizer_states=optimizer, activations=activations,
         logits_naive=logits_naive, logits_fused=logits_fused,
         rollout_weights=2 * psi / rollout_tp, rollout_kv_cache=kv_tokens * kv_per_token,
-        gpu_memory=gpu_memory_gib * GIB,
+        gpu_memory=gpu_memory_gib * GIB, zero3_gathered=2 * v * h * 2 if zero_stage == 3 else 0.0,
+        host_optimizer_states=host_optimizer,
     )
+
+
+# vLLM after a level-2 sleep keeps neither weights nor KV cache; its CUDA graphs and allocator pool stay.
+# An assumption until a GPU run measures it (docs/trainer.md).
+VLLM_SLEEP_RESIDUE_GIB = 2.0
+
+
+def model_shape_of(mcfg) -> ModelShape:
+    """The shape of a trainer ``model`` section: a Qwen2.5 preset by the name in ``model.path``
+    (``Qwen/Qwen2.5-32B``), a local directory's config.json, or the inline ``model.arch``."""
+    if mcfg.path is not None:
+        name = str(mcfg.path).rstrip("/").rsplit("/", 1)[-1].lower()
+        if name in QWEN25:
+            return QWEN25[name]
+        return load_model_shape(str(mcfg.path))
+    arch = dict(mcfg.arch or {})
+    arch.setdefault("vocab_size", 32000)
+    return ModelShape.from_hf_config(arch, name="arch")
+
+
+def plan_recipe(cfg, gpus: int = 8, gpu_memory_gib: float = 80.0, workspace_mb: float = 256.0) -> MemoryPlan:
+    """The per-GPU plan of a trainer config as it would run on ``gpus`` GPUs: its model, ZeRO stage,
+    optimizer offload, gradient checkpointing, micro-batch token budget and rollout engine.
+
+    Rollout engines: vLLM colocated takes ``vllm_gpu_memory_utilization`` of each GPU while it generates
+    (weights over its tensor-parallel group and KV cache inside that share) and keeps
+    ``VLLM_SLEEP_RESIDUE_GIB`` while the policy trains; the HF engine shares the policy's weights under
+    ZeRO 0-2 and keeps its own bf16 copy under ZeRO-3, with a KV cache of ``rollout.token_budget``
+    tokens (or micro_token_budget when that is 0). The policy's resident state (parameters, gradients,
+    optimizer states) stays on the GPU during rollouts.
+    """
+    t, r = cfg.trainer, cfg.rollout
+    plan = plan_memory(model_shape_of(cfg.model), gpus=gpus, tokens_per_gpu=t.micro_token_budget,
+                       zero_stage=t.zero_stage, gpu_memory_gib=gpu_memory_gib,
+                       rollout_tp=r.vllm_tensor_parallel_size if r.engine == "vllm" else 1,
+                       kv_tokens_per_gpu=r.token_budget or t.micro_token_budget,
+                       gradient_checkpointing=cfg.model.gradient_checkpointing,
+                       offload_optimizer=t.offload_optimizer, workspace_mb=workspace_mb)
+    if r.engine == "vllm" and r.vllm_mode == "colocated":
+        plan.rollout_engine = "vllm"
+        share = r.vllm_gpu_memory_utilization * gpu_memory_gib * GIB
+        plan.rollout_kv_cache = max(0.0, share - plan.rollout_weights)  # vLLM fills its share with KV cache
+        plan.rollout_during_training = VLLM_SLEEP_RESIDUE_GIB * GIB
+    elif r.engine == "vllm":  # vLLM servers on other GPUs
+        plan.rollout_engine = "separate"
+        plan.rollout_weights = plan.rollout_kv_cache = 0.0
+    elif t.zero_stage == 3:
+        plan.rollout_engine = "hf-copy"
+        plan.rollout_weights = 2 * plan.num_parameters
+        plan.rollout_during_training = plan.rollout_weights
+    else:
+        plan.rollout_engine = "hf-shared"
+        plan.rollout_weights = 0.0
+    return plan
 
 
 def format_plan(plan: MemoryPlan) -> str:
@@ -170,12 +246,16 @@ def format_plan(plan: MemoryPlan) -> str:
         ("activations (checkpointed)", plan.activations),
         ("logits, fused (fastcov)", plan.logits_fused),
         ("logits, naive (materialized)", plan.logits_naive),
+        ("ZeRO-3 gathered LM head + gradient", plan.zero3_gathered),
+        ("rollout engine while training", plan.rollout_during_training),
         ("training total, fused", plan.training_total),
         ("training total, naive", plan.training_total_naive),
-        ("rollout weights (bf16, / TP)", plan.rollout_weights),
+        (f"rollout weights ({plan.rollout_engine})", plan.rollout_weights),
         ("rollout KV cache (bf16)", plan.rollout_kv_cache),
-        ("rollout total", plan.rollout_total),
+        ("rollout total" + (" (+ policy state)" if plan.rollout_engine != "separate" else ""), plan.rollout_total),
     ]
+    if plan.host_optimizer_states:
+        rows.append(("host memory: optimizer states (offloaded)", plan.host_optimizer_states))
     lines = [
         f"{plan.model}: {plan.num_parameters / 1e9:.2f}B parameters, {plan.gpus} GPUs, ZeRO-{plan.zero_stage}, "
         f"{plan.tokens_per_gpu} tokens per GPU",
@@ -183,16 +263,20 @@ def format_plan(plan: MemoryPlan) -> str:
     ]
     lines += [f"  {name:<40s}{gib(value)}" for name, value in rows]
     verdict = lambda ok: "fits" if ok else "does NOT fit"  # noqa: E731
-    lines.append(f"GPU memory {plan.gpu_memory / GIB:.0f} GiB: fused {verdict(plan.fits())}, "
+    peak = max(plan.training_total, plan.rollout_total)
+    lines.append(f"GPU memory {plan.gpu_memory / GIB:.0f} GiB: peak {peak / GIB:.1f} GiB; fused {verdict(plan.fits())}, "
                  f"naive {verdict(plan.fits(naive=True))}")
     return "\n".join(lines)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True,
+    parser.add_argument("--config", metavar="YAML",
+                        help="plan a trainer config (a recipe) as it would run: its model, ZeRO stage, offload, "
+                             "token budget and rollout engine (then --gpus defaults to 8)")
+    parser.add_argument("--model",
                         help=f"a preset ({', '.join(QWEN25)}) or the path of a Hugging Face config.json")
-    parser.add_argument("--gpus", type=int, required=True, help="data-parallel GPUs sharing the ZeRO state")
-    parser.add_argument("--tokens-per-gpu", type=int, required=True, help="tokens in one micro-batch per GPU")
+    parser.add_argument("--gpus", type=int, help="data-parallel GPUs sharing the ZeRO state")
+    parser.add_argument("--tokens-per-gpu", type=int, help="tokens in one micro-batch per GPU")
     parser.add_argument("--zero", type=int, default=3, choices=(0, 1, 2, 3), help="ZeRO stage (default 3)")
     parser.add_argument("--gpu-memory", type=float, default=80.0, help="GiB per GPU (default 80)")
     parser.add_argument("--rollout-tp", type=int, default=2, help="rollout tensor-parallel size (default 2)")
@@ -238,8 +322,28 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--gpu-memory: must be a finite number of GiB > 0, got {args.gpu_memory}")
 
 
+def _plan_config(args: argparse.Namespace) -> MemoryPlan:
+    from fastcov.trainer.config import ConfigError, load_config
+
+    gpus = 8 if args.gpus is None else args.gpus
+    if gpus < 1:
+        raise ValueError(f"--gpus: must be >= 1, got {gpus}")
+    try:
+        cfg = load_config(args.config, [])
+    except ConfigError as exc:
+        raise ValueError(f"--config: {exc}") from None
+    return plan_recipe(cfg, gpus=gpus, gpu_memory_gib=args.gpu_memory)
+
+
 def run(args: argparse.Namespace) -> int:
     try:
+        if args.config:
+            plan = _plan_config(args)
+            print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
+            return 0 if plan.fits() else 1
+        for flag, value in (("--model", args.model), ("--gpus", args.gpus), ("--tokens-per-gpu", args.tokens_per_gpu)):
+            if value is None:
+                raise ValueError(f"{flag} is required (or plan a trainer config with --config)")
         _check_args(args)
         model = load_model_shape(args.model)
         plan = plan_memory(model, gpus=args.gpus, tokens_per_gpu=args.tokens_per_gpu, zero_stage=args.zero,

@@ -33,7 +33,10 @@ def test_logits_and_kv_cache_by_hand():
     model = QWEN25["qwen2.5-32b"]
     plan = plan_memory(model, gpus=32, tokens_per_gpu=20480, zero_stage=3, kv_tokens_per_gpu=10000)
     assert plan.logits_naive == 20480 * 152064 * 10
-    assert plan.logits_fused == 20480 * 16 + 20480 * 5120 * 4 + 152064 * 5120 * 4
+    assert plan.logits_fused == 20480 * 16 + 256 * 2**20  # O(T) statistics + the dZ workspace budget
+    small = plan_memory(model, gpus=32, tokens_per_gpu=100, zero_stage=3, workspace_mb=256)
+    assert small.logits_fused == 100 * 16 + 100 * 152064 * 2  # dZ never larger than the chunk itself
+    assert plan.zero3_gathered == 2 * 152064 * 5120 * 2
     assert plan.rollout_kv_cache == 10000 * 2 * 64 * 8 * 128 * 2
     assert plan.activations == 64 * 20480 * 5120 * 2 + 20480 * (10 * 5120 + 4 * 27648) * 2
 
@@ -83,3 +86,44 @@ def test_cli_accepts_the_deepspeed_launchers_local_rank(monkeypatch, capsys):
 
     assert os.environ["LOCAL_RANK"] == "3"
     assert "qwen2.5-0.5b" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- recipes as they would run
+
+RECIPES = sorted(str(p) for p in __import__("pathlib").Path(__file__).resolve().parent.parent.glob("configs/qwen2.5-*.yaml"))
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.rsplit("/", 1)[-1])
+def test_every_recipe_fits_one_8x80gb_node(path, capsys):
+    """`fastcov plan --config` plans the recipe's own settings, and each recipe fits 8 x 80 GB; the 32B
+    recipes leave 10 GB of headroom (≤ 70 GB per GPU)."""
+    pytest.importorskip("yaml")
+    from fastcov.plan import model_shape_of, plan_recipe
+    from fastcov.trainer.config import load_config
+
+    cfg = load_config(path, [])
+    plan = plan_recipe(cfg, gpus=8)
+    assert plan.zero_stage == cfg.trainer.zero_stage and plan.tokens_per_gpu == cfg.trainer.micro_token_budget
+    assert (plan.host_optimizer_states > 0) == cfg.trainer.offload_optimizer
+    assert plan.num_parameters == model_shape_of(cfg.model).num_parameters()
+    if cfg.rollout.engine == "vllm":
+        assert plan.rollout_weights == 2 * plan.num_parameters / cfg.rollout.vllm_tensor_parallel_size
+    peak = max(plan.training_total, plan.rollout_total)
+    assert plan.fits(), f"{path}: peak {peak / GIB:.1f} GiB"
+    if "32b" in path:
+        assert peak <= 70 * GIB, f"{path}: peak {peak / GIB:.1f} GiB"
+    assert main(["plan", "--config", path]) == 0
+    assert "peak" in capsys.readouterr().out
+
+
+def test_plan_of_a_recipe_changes_with_it(tmp_path):
+    """The plan follows the recipe: without the optimizer offload the 32B recipe no longer fits 8 GPUs."""
+    pytest.importorskip("yaml")
+    from fastcov.plan import plan_recipe
+    from fastcov.trainer.config import load_config
+
+    path = next(p for p in RECIPES if "32b-kl-cov" in p)
+    assert not plan_recipe(load_config(path, ["trainer.offload_optimizer=false"]), gpus=8).fits()
+    assert plan_recipe(load_config(path, ["trainer.offload_optimizer=false"]), gpus=32).fits()
+    hf = plan_recipe(load_config(path, ["rollout.engine=hf"]), gpus=8)
+    assert hf.rollout_engine == "hf-copy" and hf.rollout_during_training == 2 * hf.num_parameters

@@ -219,6 +219,10 @@ class TrainerConfig:
     # padding (CPU, hidden 256 x 4 layers, mixed lengths: 1.7x the tokens/s of padding; equal when lengths are uniform).
     packing: bool = True
     zero_stage: int = 0
+    # ZeRO-Offload: keep the fp32 master weights and Adam moments (12 bytes/parameter / world) in host
+    # memory and step them there (DeepSpeed's CPU Adam); needs zero_stage >= 1. What fits Qwen2.5-32B on
+    # 8 x 80 GB (fastcov plan --config configs/qwen2.5-32b-kl-cov.yaml).
+    offload_optimizer: bool = False
     device: Literal["auto", "cpu", "cuda"] = "auto"
     eval_every: int = 10  # 0 = never; evaluation also runs at step 0 and at the end
     eval_k: int = 1
@@ -475,6 +479,8 @@ def validate(cfg: Config) -> Config:
     _check(t.prompts_per_step >= 1, "trainer.prompts_per_step", "must be >= 1")
     _check(t.micro_token_budget >= 1, "trainer.micro_token_budget", "must be >= 1")
     _check(t.zero_stage in (0, 1, 2, 3), "trainer.zero_stage", f"must be 0, 1, 2 or 3, got {t.zero_stage}")
+    _check(not t.offload_optimizer or t.zero_stage >= 1, "trainer.offload_optimizer",
+           "offloading the optimizer states needs trainer.zero_stage >= 1")
     _check(t.eval_every >= 0, "trainer.eval_every", "must be >= 0")
     _check(t.eval_k >= 1, "trainer.eval_k", "must be >= 1")
     _check(t.save_every >= 0, "trainer.save_every", "must be >= 0")

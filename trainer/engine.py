@@ -66,8 +66,10 @@ def lr_at(step: int, ocfg, max_steps: int) -> float:
 def ds_config(cfg, device: torch.device, world: int) -> dict:
     zero = {"stage": cfg.trainer.zero_stage}
     if cfg.trainer.zero_stage == 3:
-        # Gather parameters eagerly for tiny models; large models keep DeepSpeed's defaults.
+        # no parameter stays whole on every rank: each is gathered only while its layer runs
         zero.update({"stage3_param_persistence_threshold": 0})
+    if cfg.trainer.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": device.type == "cuda"}
     return {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
@@ -95,8 +97,14 @@ class PolicyEngine:
             policy.register_external_head()
         o = cfg.optim
         params = [p for p in policy.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                                      weight_decay=o.weight_decay)
+        if cfg.trainer.offload_optimizer:  # the host-side step: DeepSpeed's vectorised CPU AdamW
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            optimizer = DeepSpeedCPUAdam(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                                         weight_decay=o.weight_decay, adamw_mode=True)
+        else:
+            optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                                          weight_decay=o.weight_decay)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=policy, optimizer=optimizer, config=ds_config(cfg, device, world)
         )
