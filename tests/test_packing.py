@@ -175,3 +175,32 @@ def test_filler_micro_batches_and_per_sequence_round_trip():
     assert len(empty) == 1 and empty[0].weight == 0 and empty[0].seq_index == []
     with pytest.raises(ValueError, match="micro_token_budget"):
         micro_batches(seqs, 0, 0, CPU)
+
+
+# ---------------------------------------------------------------- Liger-Kernel on the policy (model.liger)
+
+
+@pytest.mark.parametrize("choice,device,installed,expect", [
+    ("auto", "cpu", True, False), ("auto", "cuda", False, False), ("auto", "cuda", True, True),
+    (False, "cuda", True, False), (True, "cuda", True, True), ("on", "cuda", True, True),
+    (True, "cpu", True, "CUDA GPU"), (True, "cuda", False, "pip install 'fastcov\\[liger\\]'"),
+])
+def test_liger_decision(choice, device, installed, expect):
+    from fastcov.trainer.model import use_liger
+
+    if isinstance(expect, str):
+        with pytest.raises(ValueError, match="model.liger: .*" + expect):
+            use_liger(choice, torch.device(device), installed)
+    else:
+        assert use_liger(choice, torch.device(device), installed) is expect
+
+
+def test_liger_on_a_cpu_run_is_a_one_line_error_before_anything_is_written(tmp_path):
+    from fastcov.trainer import train as train_mod
+    from fastcov.trainer.config import load_config
+
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", [f"trainer.run_dir={tmp_path / 'run'}", "model.liger=on",
+                                                       "trainer.device=cpu"])
+    with pytest.raises(Exception, match="model.liger: Liger-Kernel's Triton kernels need a CUDA GPU"):
+        train_mod.train(cfg)
+    assert not (tmp_path / "run").exists()

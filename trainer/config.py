@@ -41,6 +41,9 @@ class ModelConfig:
     attn_implementation: Literal["auto", "sdpa", "flash_attention_2", "eager"] = "auto"
     # auto: bf16 on GPU, fp32 on CPU.
     dtype: Literal["auto", "bf16", "fp32"] = "auto"
+    # Liger-Kernel's fused RMSNorm, SwiGLU and RoPE on the policy (the LM head is fastcov's own).
+    # auto: on a GPU when liger-kernel is installed (extra `fastcov[liger]`); true: required; false: never.
+    liger: bool | Literal["auto"] = "auto"
 
 
 @dataclass

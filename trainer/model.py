@@ -73,6 +73,41 @@ def param_dtype(mcfg, device: torch.device) -> torch.dtype:
     return torch.bfloat16
 
 
+def use_liger(choice: bool | str, device: torch.device, installed: bool | None = None) -> bool:
+    """Whether to patch the policy with Liger-Kernel (``model.liger``: "auto", True/"on", False/"off"),
+    or a ValueError saying why it can't be."""
+    choice = {True: "on", False: "off"}.get(choice, choice) if isinstance(choice, bool) else choice
+    if installed is None:
+        installed = importlib.util.find_spec("liger_kernel") is not None
+    if choice == "off" or (choice == "auto" and (device.type != "cuda" or not installed)):
+        return False
+    if device.type != "cuda":
+        raise ValueError("model.liger: Liger-Kernel's Triton kernels need a CUDA GPU; this run is on "
+                         f"{device.type} (use model.liger=auto or false)")
+    if not installed:
+        raise ValueError("model.liger: liger-kernel is not installed: pip install 'fastcov[liger]' "
+                         "(or model.liger=false)")
+    return True
+
+
+def apply_liger(model: nn.Module, required: bool = False) -> bool:
+    """Liger-Kernel's RMSNorm, SwiGLU and RoPE in place of the model's own; its cross-entropy paths stay off
+    (the policy's head is fastcov's fused kernel). A model type Liger has no patch for is left as it is,
+    or refused when ``required``. Returns whether it patched."""
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+
+    model_type = getattr(model.config, "model_type", None)
+    if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+        if required:
+            raise ValueError(f"model.liger: Liger-Kernel has no patch for model type {model_type!r}; "
+                             "set model.liger=auto or false")
+        return False
+    _apply_liger_kernel_to_instance(model=model, rope=True, rms_norm=True, swiglu=True,
+                                    cross_entropy=False, fused_linear_cross_entropy=False)
+    return True
+
+
 def build_model(mcfg, device: torch.device, dtype: torch.dtype, tokenizer=None, ds_config: dict | None = None) -> nn.Module:
     """A causal LM (``dtype`` parameters on ``device``): ``from_pretrained(path)`` or fresh from ``arch``.
 
@@ -109,6 +144,9 @@ def build_model(mcfg, device: torch.device, dtype: torch.dtype, tokenizer=None, 
             raise ValueError(f"model.arch: {exc}") from exc
         config._attn_implementation = attn
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
+    liger = getattr(mcfg, "liger", False)
+    if use_liger(liger, device):
+        apply_liger(model, required=liger is True or liger == "on")
     if mcfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False

@@ -42,7 +42,7 @@ from fastcov.trainer.config import Config, ConfigError, positive_weight_schedule
 from fastcov.trainer.data import PromptSampler, load_train_val, prepare_data
 from fastcov.trainer.engine import PolicyEngine, ds_config, init_distributed, lr_at, pick_device
 from fastcov.trainer.metrics import MetricsLogger
-from fastcov.trainer.model import PolicyModel, build_model, load_tokenizer, param_dtype
+from fastcov.trainer.model import PolicyModel, build_model, load_tokenizer, param_dtype, use_liger
 from fastcov.trainer.rewards import RewardFn
 from fastcov.trainer.token_rewards import make_token_advantages, prime_keep
 from fastcov.trainer.rollout import SamplingParams, make_rollout_engine
@@ -561,6 +561,10 @@ def _train(cfg: Config, resume, stop_at, on_end, closing: contextlib.ExitStack, 
     ckpt_root = run_dir / "checkpoints"
     resume_path = check_run_dir(run_dir, resume, overwrite, rank)
     check_model_source(cfg.model)
+    try:
+        use_liger(cfg.model.liger, device)
+    except ValueError as exc:
+        raise _user_error(exc) from None
     dist.barrier()  # every rank has checked before rank 0 moves or writes anything
 
     seed_everything(t.seed)  # identical model init on every rank
