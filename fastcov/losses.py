@@ -43,7 +43,7 @@ from fastcov.selection import (
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 SCOPES = ("microbatch", "global")
-COV_SCORES = ("batch", "vocab")
+COV_SCORES = ("batch", "vocab", "random")
 
 
 # ---------------------------------------------------------------- configuration
@@ -61,7 +61,9 @@ class LossConfig:
     pos_adv_weight, neg_adv_weight: λ+ / λ−, per-token loss weights where A > 0 / A < 0.
     high_entropy_fraction: train only on this top fraction of valid tokens by entropy (the others
         get zero loss but stay in the denominators); None: all tokens.
-    cov_score: "batch" (the paper's c_t) or "vocab" (A_t·κ_t, κ = the ``vocab_cov`` input).
+    cov_score: "batch" (the paper's c_t), "vocab" (A_t·κ_t, κ = the ``vocab_cov`` input) or "random"
+        (the control: uniform scores inside the Clip-Cov band, so Clip-Cov and KL-Cov pick the same
+        number of tokens as with c_t, at random; keys hash the global position, as Clip-Cov's do).
     loss_scale_factor: divisor of "seq-mean-token-sum-norm" (None: the padded length T of the call;
         set a constant when micro-batches differ in T).
     check_finite: reject non-finite advantages (one host sync per call; trainers that validate
@@ -370,6 +372,14 @@ def _check_selection_mask(name: str, tensor, logprob: torch.Tensor) -> None:
 
 def _selection_scores(mode, logprob, advantages, valid, config, vocab_cov, group, generator, impl):
     """(scores, keys) for a mode's selector; logprob and advantages are detached and sanitized."""
+    if config.cov_score == "random":
+        seed = draw_seed(generator, logprob.device, group)
+        _, keys = token_covariance_and_keys(logprob, advantages, valid, seed=seed, group=group, impl=impl)
+        # 53 random bits of the key -> u in (0, 1), strictly inside the band (lb, ub)
+        u = ((keys & ((1 << 53) - 1)).to(torch.float64) + 0.5) / float(1 << 53)
+        lo, hi = config.clip_cov_lb, config.clip_cov_ub
+        scores = torch.where(valid, (lo + (hi - lo) * u).to(logprob.dtype), torch.zeros_like(logprob))
+        return scores, keys
     if config.cov_score == "vocab":
         if vocab_cov is None:
             raise ValueError("vocab_cov is required when cov_score='vocab'")
@@ -609,7 +619,7 @@ def _metrics(logprob, old_logprob, advantages, valid, config, selection, scores,
         unclipped, clipped = ppo_clip_terms(torch.exp(log_ratio), advantages, config)
         if scores is None and config.cov_score == "vocab" and vocab_cov is not None:
             scores = advantages * vocab_cov
-        if scores is None:
+        if scores is None or config.cov_score == "random":  # the diagnostics report the real c_t
             scores = token_covariance(logprob.detach(), advantages, valid, impl=impl)
         zero = torch.zeros((), dtype=dtype, device=logprob.device)
         if valid.numel() > 0:
@@ -621,6 +631,11 @@ def _metrics(logprob, old_logprob, advantages, valid, config, selection, scores,
             "ppo_kl": valid_mean(-log_ratio),
             "clipfrac": valid_mean(clipped > unclipped),
             "selected_frac": zero if selection.cov is None else valid_mean(selection.cov),
+            # which tokens the selection acts on, as shares of all tokens (divide by selected_frac):
+            # advantage sign, probability exp(logp) and score (c_t or A·κ) of the selected ones
+            "selected_pos_adv": zero if selection.cov is None else valid_mean(selection.cov & (advantages > 0)),
+            "selected_prob": zero if selection.cov is None else valid_mean(selection.cov * logprob.detach().exp()),
+            "selected_cov": zero if selection.cov is None else valid_mean(selection.cov * scores),
             "cov_mean": valid_mean(scores),
             "cov_max": cov_max,
             "pos_adv_frac": valid_mean(advantages > 0),

@@ -489,3 +489,41 @@ def test_bad_arguments_raise_naming_them():
         policy_loss(*args, mode="vanilla", config={"clip_low": 0.2})
     with pytest.raises(TypeError, match="entropy must be a floating tensor"):
         policy_loss(*args, mode="vanilla", entropy=mask)
+
+
+# ---------------------------------------------------------------- the random-selection control and diagnostics
+
+
+@pytest.mark.parametrize("mode", ["kl_cov", "clip_cov"])
+def test_random_score_selects_as_many_tokens_at_random(mode):
+    """cov_score="random" picks the same number of tokens as the covariance score, but others, and a
+    different set for another seed; the diagnostics still report the real c_t of what was picked."""
+    from fastcov.losses import LossConfig, policy_loss
+
+    gen = torch.Generator().manual_seed(0)
+    B, T = 16, 40
+    logprob = -torch.rand(B, T, generator=gen) * 3
+    old = logprob + 0.01 * torch.randn(B, T, generator=gen)
+    adv = torch.randn(B, 1, generator=gen).expand(B, T).contiguous()
+    mask = torch.rand(B, T, generator=gen) < 0.9
+    base = dict(clip_cov_ratio=0.05, kl_cov_ratio=0.05, clip_cov_lb=0.5, clip_cov_ub=5.0)
+    picks, metrics = {}, {}
+    for score, seed in (("batch", 0), ("random", 0), ("random", 1)):
+        cfg = LossConfig(cov_score=score, **base)
+        _, m = policy_loss(logprob, old, adv, mask, mode=mode, config=cfg, generator=torch.Generator().manual_seed(seed))
+        from fastcov.losses import compute_global_selection
+
+        sel = compute_global_selection(logprob, old, adv, mask, mode=mode, config=cfg,
+                                       generator=torch.Generator().manual_seed(seed))
+        picks[(score, seed)] = sel.cov
+        metrics[(score, seed)] = m
+    n = {k: int(v.sum()) for k, v in picks.items()}
+    k = max(1, int(0.05 * int(mask.sum())))
+    assert n[("random", 0)] == n[("random", 1)] == k  # every valid token is a candidate of the random score
+    assert 0 < n[("batch", 0)] <= k and (mode == "clip_cov" or n[("batch", 0)] == k)
+    assert not torch.equal(picks[("batch", 0)], picks[("random", 0)])
+    assert not torch.equal(picks[("random", 0)], picks[("random", 1)])
+    m = metrics[("random", 0)]
+    assert float(m["selected_frac"]) > 0 and 0 <= float(m["selected_pos_adv"]) <= float(m["selected_frac"])
+    if mode == "kl_cov":  # top covariance tokens have the largest c_t: above the random pick's on average
+        assert float(metrics[("batch", 0)]["selected_cov"]) > float(m["selected_cov"])

@@ -176,3 +176,20 @@ def test_refill_needs_the_dapo_filter(tmp_path):
 
     with pytest.raises(ConfigError, match="algo.max_gen_batches"):
         tiny(tmp_path, "run", "algo.max_gen_batches=3")
+
+
+def test_clip_cov_band_that_selects_nothing_warns_once_with_the_numbers(tmp_path):
+    cfg = tiny(tmp_path, "run", "trainer.max_steps=2", "trainer.eval_every=0", "algo.mode=clip_cov",
+               "algo.clip_cov_lb=1000.0", "algo.clip_cov_ub=2000.0")
+    with pytest.warns(UserWarning, match=r"Clip-Cov selected no token: .*band \(1000, 2000\).*mean .*max ") as rec:
+        run = train_mod.train(cfg)
+    assert sum("Clip-Cov selected no token" in str(w.message) for w in rec) == 1
+    assert read_metrics(run / "metrics.jsonl")[-1]["selected_frac"] == 0
+
+
+def test_selection_diagnostics_are_logged(tmp_path):
+    run = train_mod.train(tiny(tmp_path, "run", "trainer.max_steps=1", "trainer.eval_every=0", "algo.mode=kl_cov"))
+    last = read_metrics(run / "metrics.jsonl")[-1]
+    assert last["selected_frac"] > 0
+    assert 0 <= last["sel/pos_adv_share"] <= 1 and 0 < last["sel/mean_prob"] <= 1
+    assert last["sel/tokens_per_update"] >= 1 and "sel/mean_cov" in last

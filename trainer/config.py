@@ -187,7 +187,7 @@ class AlgoConfig:
     pos_weight_values: list[float] = field(default_factory=list)
     pos_weight_steps_per_epoch: int = 0
     high_entropy_fraction: float | None = LossConfig.high_entropy_fraction
-    cov_score: Literal["batch", "vocab"] = LossConfig.cov_score
+    cov_score: Literal["batch", "vocab", "random"] = LossConfig.cov_score
     # DAPO dynamic sampling (verl's algorithm.filter_groups): drop prompt groups whose rewards are all equal
     # and, while fewer than trainer.prompts_per_step groups are kept, generate another batch of prompts, up
     # to max_gen_batches batches per step (0 = until full, as verl's max_num_gen_batches <= 0); a full batch

@@ -49,7 +49,8 @@ from fastcov.trainer.rollout import SamplingParams, make_rollout_engine
 
 # policy_loss metrics averaged over the update's tokens; its "entropy" is logged as "update_entropy"
 # ("entropy" is the rollout-token mean of the pre-update policy).
-LOSS_METRICS = ("ppo_kl", "clipfrac", "selected_frac", "cov_mean", "cov_max", "entropy")
+LOSS_METRICS = ("ppo_kl", "clipfrac", "selected_frac", "selected_pos_adv", "selected_prob", "selected_cov",
+                "cov_mean", "cov_max", "entropy")
 LOSS_METRIC_NAMES = {"entropy": "update_entropy"}
 SAMPLED_EVAL_SOURCES = ("aime", "aime25", "amc")  # evaluated at eval_temperature; others greedily
 
@@ -611,6 +612,7 @@ def _train(cfg: Config, resume, stop_at, on_end, closing: contextlib.ExitStack, 
     }
     lam_sched = positive_weight_schedule(a) if a.pos_weight_schedule else None  # Jin et al.'s lambda
     counters = {"skipped_steps": 0, "filtered_groups": 0, "reward_timeouts": 0}
+    warned = {"empty_band": False}
     step = 0
     if resume_path is not None:
         path = resume_path
@@ -747,6 +749,19 @@ def _train(cfg: Config, resume, stop_at, on_end, closing: contextlib.ExitStack, 
                 **{LOSS_METRIC_NAMES.get(k, k): v / max(m_n, 1) for k, v in zip(keys, mvals)},
                 **counters,
             })
+            sel = rec["selected_frac"]
+            if a.mode == "clip_cov" and sel == 0 and rank == 0 and not warned["empty_band"]:
+                warned["empty_band"] = True
+                warnings.warn(
+                    f"step {step}: Clip-Cov selected no token: no selection score fell in the band "
+                    f"({a.clip_cov_lb:g}, {a.clip_cov_ub:g}) (cov_score={a.cov_score}: mean {rec['cov_mean']:.3g}, "
+                    f"max {rec['cov_max']:.3g} this step); widen algo.clip_cov_lb/clip_cov_ub to the scores' scale "
+                    "(said once per run)", stacklevel=1)
+            if sel > 0:  # which tokens Clip-Cov/KL-Cov acted on: advantage sign, probability, covariance
+                rec["sel/tokens_per_update"] = sel * m_n / max(a.ppo_epochs * upd.n_mini, 1)
+                rec["sel/pos_adv_share"] = rec["selected_pos_adv"] / sel
+                rec["sel/mean_prob"] = rec["selected_prob"] / sel
+                rec["sel/mean_cov"] = rec["selected_cov"] / sel
             if lam_sched is not None:
                 lam_sched.step(entropy=rec["entropy"])
 
