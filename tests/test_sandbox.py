@@ -186,3 +186,46 @@ def test_sandbox_fusion_backend():
     assert dead.run_python("print(1)").status == "sandbox_error"
     assert SandboxFusionClient.parse_response({"status": "Failed", "run_result": {
         "status": "TimeLimitExceeded"}}).status == "timeout"
+
+
+def test_unprivileged_path_user_namespace():
+    """The launcher as a non-root user (CI's case): network, pid and user namespaces, RLIMIT_NPROC counted
+    inside the namespace, Landlock. Run here as 'nobody' when the tests run as root."""
+    import subprocess
+
+    from fastcov.trainer.sandbox import LAUNCHER, _others_can_exec
+
+    import stat
+
+    readable = bool(LAUNCHER.stat().st_mode & stat.S_IROTH) and _others_can_exec(str(LAUNCHER.parent))
+    if os.geteuid() != 0 or not _others_can_exec("/usr/bin/python3") or not readable:
+        pytest.skip("needs root (to become 'nobody') and a /usr/bin/python3 'nobody' can run")
+    import shutil
+    import tempfile
+
+    work = Path(tempfile.mkdtemp(prefix="fastcov-sbx-test-"))  # pytest's tmp_path is private to root
+    request_cleanup = lambda: shutil.rmtree(work, ignore_errors=True)  # noqa: E731
+    (work / "prog.py").write_text(
+        "import os, socket\nprint('uid', os.getuid())\n"
+        "u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+        "try:\n    u.sendto(b'x', ('127.0.0.1', 9)); print('udp sent')\nexcept OSError:\n    print('udp blocked')\n"
+        "n = 0\ntry:\n    while True:\n        if os.fork() == 0:\n            import time; time.sleep(30); os._exit(0)\n"
+        "        n += 1\nexcept OSError:\n    print('fork blocked after', n)\n"
+        "try:\n    open('/tmp/fastcov-nobody-escape', 'w'); print('WROTE')\nexcept OSError:\n    print('write denied')\n")
+    os.chown(work, 65534, 65534)
+    spec = {"argv": ["/usr/bin/python3", "-I", "prog.py"], "workdir": str(work), "cpu_s": 2,
+            "memory_bytes": 256 << 20, "fsize_bytes": 1 << 20, "nofile": 64, "nproc": 8, "netns": True,
+            "pidns": True, "landlock": True, "uid": None, "gid": None}
+    try:
+        res = subprocess.run(["/usr/bin/python3", "-I", "-S", str(LAUNCHER), json.dumps(spec)], cwd=work,
+                             capture_output=True, text=True, timeout=20, user=65534, group=65534,
+                             env={"PATH": "/usr/bin:/bin"})
+    finally:
+        request_cleanup()
+    if res.returncode == 199 and "unshare" in res.stderr:
+        pytest.skip(f"unprivileged user namespaces are off here: {res.stderr.strip()}")
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    assert "uid 65534" in out and "udp blocked" in out and "write denied" in out, out
+    assert int(out.split("fork blocked after")[1].split()[0]) < 8
+    assert not Path("/tmp/fastcov-nobody-escape").exists()

@@ -84,7 +84,10 @@ def landlock(workdir, abi):
         fail(f"landlock_create_ruleset failed: {os.strerror(ctypes.get_errno())}")
     file_rights = (1 << 1) | ((1 << 14) if abi >= 3 else 0)  # WRITE_FILE (+ TRUNCATE) on /dev/null
     for path, rights in ((workdir, write_fs), ("/dev/null", file_rights)):
-        pfd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+        try:
+            pfd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+        except OSError as exc:
+            fail(f"landlock: cannot open {path}: {exc}")
         rule = PathBeneath(rights, pfd)
         if libc.syscall(SYS_LANDLOCK_ADD_RULE, ctypes.c_int(fd), ctypes.c_int(1), ctypes.byref(rule),
                         ctypes.c_uint32(0)) != 0:
