@@ -124,3 +124,11 @@ def test_fastcov_eval_cli_reports_pass_at_k(tmp_path, capsys):
         assert key in res, key
     assert res["val_pass@1"] <= res["val_pass@2"] <= res["val_pass@4"]
     assert plot.stat().st_size > 1000
+    # code tasks: the same metrics, answers run against the rows' tests (this untrained model writes no code)
+    from fastcov.trainer.code_tasks import write_code_task
+
+    write_code_task(str(tmp_path / "code.jsonl"), None, n_train=3)
+    assert main(["eval", "--model", str(run / "final"), "--data", str(tmp_path / "code.jsonl"), "--k", "2",
+                 "--sample-all", "--task", "code", "--max-new-tokens", "4", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["prompts"] == 3 and res["val_pass@2"] == 0.0 and "val_distinct_answers" in res
