@@ -227,6 +227,9 @@ class TrainerConfig:
     # 8 x 80 GB (fastcov plan --config configs/qwen2.5-32b-kl-cov.yaml).
     offload_optimizer: bool = False
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # CPU runs: torch intra-op threads, pinned so that a seed gives the same numbers on machines with
+    # different core counts (0: torch's default, which follows the machine and OMP_NUM_THREADS).
+    threads: int = 1
     eval_every: int = 10  # 0 = never; evaluation also runs at step 0 and at the end
     eval_k: int = 1
     eval_temperature: float = 0.6  # for data sources aime/aime25/amc; others are greedy
@@ -481,6 +484,7 @@ def validate(cfg: Config) -> Config:
     _check(t.max_steps >= 0, "trainer.max_steps", "must be >= 0")
     _check(t.prompts_per_step >= 1, "trainer.prompts_per_step", "must be >= 1")
     _check(t.micro_token_budget >= 1, "trainer.micro_token_budget", "must be >= 1")
+    _check(t.threads >= 0, "trainer.threads", f"must be >= 0 (0 = torch's default), got {t.threads}")
     _check(t.zero_stage in (0, 1, 2, 3), "trainer.zero_stage", f"must be 0, 1, 2 or 3, got {t.zero_stage}")
     _check(not t.offload_optimizer or t.zero_stage >= 1, "trainer.offload_optimizer",
            "offloading the optimizer states needs trainer.zero_stage >= 1")

@@ -144,14 +144,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-ops", type=int, default=2)
     ap.add_argument("--max-value", type=int, default=9)
     ap.add_argument("--reuse-sft", action="store_true", help="keep an existing warm-start model")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch CPU threads for the warm-start and the RL runs (trainer.threads); the numbers "
+                         "do not depend on the machine's core count (default 1)")
     ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="applied to every RL run")
     args = ap.parse_args(argv)
 
-    if not os.environ.get("DS_ACCELERATOR"):
-        import torch
+    import torch
 
-        if not torch.cuda.is_available():
-            os.environ["DS_ACCELERATOR"] = "cpu"
+    if not os.environ.get("DS_ACCELERATOR") and not torch.cuda.is_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     from fastcov.trainer.config import ConfigError, load_config
     from fastcov.trainer.report import write_report
     from fastcov.trainer.train import train
@@ -180,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
             f"data.val_files=[{data_dir / 'val.parquet'}]",
             f"algo.mode={ALGOS[algo]}",
             f"trainer.run_dir={out / algo}",
+            f"trainer.threads={args.threads}",
         ] + list(args.overrides)
         try:
             cfg = load_config(args.config, overrides)

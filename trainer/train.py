@@ -553,6 +553,8 @@ def _train(cfg: Config, resume, stop_at, on_end, closing: contextlib.ExitStack, 
         device = pick_device(t.device)
     except ValueError as exc:
         raise _user_error(exc) from None
+    if device.type == "cpu" and t.threads:
+        torch.set_num_threads(t.threads)  # results must not depend on the machine's core count
     rank, world = init_distributed(device)
     dist = _dist()
     if t.prompts_per_step % world:
