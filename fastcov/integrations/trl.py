@@ -33,7 +33,11 @@ Mapping of TRL's options (``FastcovGRPOConfig``)::
 Refused (ValueError naming the option): loss_type cispo / sapo / vespo / luspo, importance_sampling_level
 "sequence", off_policy_mask_threshold, entropy_coef / use_adaptive_entropy (Clip-Cov and KL-Cov are the entropy
 control), vLLM importance-sampling correction (fastcov's loss has no per-token weight), MoE router aux loss,
-multimodal inputs, DeepSpeed ZeRO-3 and FSDP (the fused kernel reads ``lm_head.weight`` whole in its backward).
+multimodal inputs, FSDP (the fused kernel reads ``lm_head.weight`` whole in its backward).
+
+DeepSpeed ZeRO-3: the head's weight (and bias) are registered as external parameters of the policy (and of the
+reference model), so ZeRO-3 gathers them for the forward that runs the fused kernel and again for its backward
+(``add_fastcov_head(..., zero3=True)``); ZeRO-1/2 and DDP need nothing.
 
 Scope. ``"microbatch"`` (default) selects inside each ``_compute_loss`` call on each rank, like verl's
 ``loss_mode=clip_cov|kl_cov``. ``"global"`` selects over the whole rollout batch of all ranks of the world
@@ -160,7 +164,7 @@ class FastcovGRPOConfig(GRPOConfig):
         )
 
 
-def add_fastcov_head(model, temperature: float = 1.0, impl: str = "auto"):
+def add_fastcov_head(model, temperature: float = 1.0, impl: str = "auto", zero3: bool = False):
     """Give ``model``'s forward a ``fastcov_logits_to_keep=K`` keyword (in place; returns ``model``).
 
     ``model(input_ids=[B, T], attention_mask=[B, T], fastcov_logits_to_keep=K)`` runs the decoder and returns a
@@ -168,9 +172,23 @@ def add_fastcov_head(model, temperature: float = 1.0, impl: str = "auto"):
     entropy at that step, for the last K positions t, 0 where attention_mask is 0 — TRL's
     ``_get_per_token_logps_and_entropies`` values. Only the last K + 1 hidden states reach the fused kernel, and the
     logits are never formed. Without the keyword the forward is unchanged (generation, TRL's own fused head).
+
+    ``zero3=True`` (the model is, or will be, partitioned by DeepSpeed ZeRO-3): the fused kernel reads the head's
+    weight (and bias) outside the head module's own forward, where ZeRO-3 would leave it partitioned (an empty
+    tensor). They are registered as external parameters of ``model`` (``deepspeed.zero.register_external_parameter``),
+    so DeepSpeed gathers them whole for the forward of ``model`` and again for its backward, and reduce-scatters
+    their gradients like any other parameter's.
     """
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT wraps the HF model
-    _decoder_and_head(base)  # refuse non-Linear heads and logit transforms now, not at the first step
+    _, head = _decoder_and_head(base)  # refuse non-Linear heads and logit transforms now, not at the first step
+    if zero3:
+        from deepspeed.runtime.zero import register_external_parameter
+
+        # on the outermost module: DeepSpeed's engine calls it (PEFT's wrappers call base.forward directly, which
+        # fires no hooks of base); a tied head is the input embedding, and stays gathered while model is running
+        for param in (head.weight, head.bias):
+            if param is not None:
+                register_external_parameter(model, param)
     inner = base.forward
 
     @functools.wraps(inner)
@@ -206,19 +224,16 @@ class FastcovGRPOTrainer(GRPOTrainer):
         if not isinstance(args, FastcovGRPOConfig):
             raise TypeError(f"args must be a FastcovGRPOConfig, got {type(args).__name__}")
         super().__init__(model, reward_funcs, args, *rest, **kwargs)
-        if self.is_deepspeed_enabled:
-            from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
-
-            if is_deepspeed_zero3_enabled():
-                raise ValueError("DeepSpeed ZeRO-3 is not supported by FastcovGRPOTrainer (use ZeRO-1/2 or DDP)")
         if self.is_fsdp_enabled:
-            raise ValueError("FSDP is not supported by FastcovGRPOTrainer (use DDP or DeepSpeed ZeRO-1/2)")
+            raise ValueError("FSDP is not supported by FastcovGRPOTrainer (use DDP or DeepSpeed ZeRO-1/2/3)")
         if self.aux_loss_enabled:
             raise ValueError("router_aux_loss_coef: the MoE load-balancing loss is not supported; set it to 0")
         self._fastcov_config = self.args.fastcov_loss_config()
-        add_fastcov_head(self.model, self.temperature)
+        plugin = self.accelerator.state.deepspeed_plugin if self.is_deepspeed_enabled else None
+        zero3 = plugin is not None and plugin.zero_stage == 3
+        add_fastcov_head(self.model, self.temperature, zero3=zero3)
         if self.ref_model is not None:
-            add_fastcov_head(self.accelerator.unwrap_model(self.ref_model), self.temperature)
+            add_fastcov_head(self.accelerator.unwrap_model(self.ref_model), self.temperature, zero3=zero3)
 
     # ------------------------------------------------------------------ hook 1: fused log-probs and entropies
 
