@@ -1,6 +1,7 @@
 """The one-line error contract end to end, in a real process: `python -m fastcov.cli` (how the deepspeed
 and torchrun launchers start it) prints one stderr line and exits 2; --debug shows the traceback."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -8,7 +9,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _run(*args, env=None):
+def _run(*args):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT",
+                                                            "FASTCOV_DEBUG")}
     return subprocess.run([sys.executable, "-m", "fastcov.cli", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=300, env=env)
 

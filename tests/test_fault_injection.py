@@ -98,7 +98,10 @@ def _launch(tmp: Path, run_dir: Path, mode: str, fault: str) -> subprocess.Popen
     driver = tmp / "driver.py"
     if not driver.exists():
         driver.write_text(DRIVER)
-    env = dict(os.environ, DS_ACCELERATOR="cpu", FASTCOV_TINY=str(TINY), PYTHONUNBUFFERED="1")
+    # a fresh single-process job: not the rendezvous of this pytest process (other tests start one in it)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(DS_ACCELERATOR="cpu", FASTCOV_TINY=str(TINY), PYTHONUNBUFFERED="1")
     return subprocess.Popen([sys.executable, str(driver), str(run_dir), mode, str(STEPS), fault],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
