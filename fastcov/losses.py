@@ -1,6 +1,6 @@
 """Policy-gradient losses with entropy control: vanilla PPO/GRPO/DAPO clip, Clip-Cov and KL-Cov.
 
-Per token (r = exp(logp − old_logp); the formulas of DESIGN §4)::
+Per token (r = exp(logp − old_logp); the formulas of docs/design.md §4)::
 
     vanilla   ℓ = max(−A·r, −A·clip(r, 1−ε_low, 1+ε_high)),  optionally min(ℓ, −A·c) where A < 0
     clip_cov  ℓ = vanilla ℓ · (1 − sel),  sel = min(k, #candidates) random tokens with lb < c_t < ub

@@ -4,18 +4,18 @@ Jin et al. find that tokens with positive advantage drive entropy collapse and p
 them: the per-token policy loss of every token with A > 0 is multiplied by λ ∈ [0, 1] (tokens with
 A ≤ 0 keep weight 1).  This module only decides *which* λ to use at each step; applying it is a
 modifier of the policy loss (``advantages[advantages > 0] *= λ`` is equivalent for the losses in
-DESIGN §4, whose per-token loss is linear in A at fixed ratio).
+docs/design.md §4, whose per-token loss is linear in A at fixed ratio).
 
 Kinds
 -----
-``"entropy"`` (entropy-guided, DESIGN §4)
+``"entropy"`` (entropy-guided, docs/design.md §4)
     ``λ`` starts at ``init`` (default 0).  After each step, given that step's policy entropy ``H``::
 
         λ ← clip(λ − Δ, 0, 1)   if H < δ      (entropy too low: damp the positive tokens)
         λ ← clip(λ + Δ, 0, 1)   otherwise     (entropy healthy: let them learn)
 
     with ``δ = threshold`` (default 0.2) and ``Δ = step_size`` (default 0.05).  This is exactly the
-    ``λ ← clip(λ ∓ Δ, 0, 1) when H < δ / otherwise`` rule of DESIGN §4; the direction follows from
+    ``λ ← clip(λ ∓ Δ, 0, 1) when H < δ / otherwise`` rule of docs/design.md §4; the direction follows from
     positive-advantage tokens being the ones that lower entropy.
 ``"stage"``
     piecewise constant: ``stages=[(0, λ0), (s1, λ1), ...]`` uses ``λi`` from step ``si`` on.  The first

@@ -1,4 +1,4 @@
-"""Streaming vocabulary statistics shared by the Triton kernels and the PyTorch twin (DESIGN §3).
+"""Streaming vocabulary statistics shared by the Triton kernels and the PyTorch twin (docs/design.md §3).
 
 A partial covers some vocabulary columns of each row and holds, relative to its own running max m,
 

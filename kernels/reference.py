@@ -9,7 +9,7 @@ import torch
 
 
 def reference_logprob_entropy(hidden, weight, labels, bias=None, temperature=1.0, ignore_index=-100):
-    """Float64 outputs of DESIGN §3 from the full logits, differentiable w.r.t. the (float64) inputs.
+    """Float64 outputs of docs/design.md §3 from the full logits, differentiable w.r.t. the (float64) inputs.
 
     hidden [N, D], weight [V, D], bias [V] or None, labels [N] int64. Returns a dict of [N] float64
     tensors: logprob, entropy, logsumexp, vocab_cov (κ = Cov_{a∼π}(log π(a), e_y(a) − π(a)), from

@@ -132,7 +132,7 @@ def test_theorem_forms_with_uncentred_advantages():
 
 
 def test_vocab_covariance_is_entropy_sensitivity_of_a_token_step():
-    """κ_y = Cov(log π, e_y − π) (DESIGN §3); a step Δz = η(e_y − π) changes H by ≈ −η·κ_y."""
+    """κ_y = Cov(log π, e_y − π) (docs/design.md §3); a step Δz = η(e_y − π) changes H by ≈ −η·κ_y."""
     z, g = _random_policy(8, rows=16, k=9)
     y = torch.randint(0, 9, (16, 1), generator=g)
     kappa = _vocab_cov(torch.log_softmax(z, -1), y).squeeze(1)
@@ -299,7 +299,7 @@ def test_natural_pg_run_and_positive_weight_schedule():
     run = simulate(problem, DynamicsConfig(steps=40, seed=3, update="natural", lr=0.3, epochs=2, minibatches=2),
                    positive_weight=sched)
     assert run.entropy[-1] < run.entropy[0] and run.accuracy[-1] > run.accuracy[0]
-    # λ used at each step follows DESIGN §4's rule applied to the entropy after the previous step
+    # λ used at each step follows docs/design.md §4's rule applied to the entropy after the previous step
     lam, expected = 1.0, []
     for h in run.entropy[1:]:
         expected.append(lam)

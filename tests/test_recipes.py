@@ -1,4 +1,4 @@
-"""The paper-reproduction recipes load, validate and carry the paper's hyperparameters (DESIGN §6)."""
+"""The paper-reproduction recipes load, validate and carry the paper's hyperparameters (docs/design.md §6)."""
 
 import pathlib
 

@@ -1,4 +1,4 @@
-"""PositiveWeightSchedule: the entropy-guided rule of DESIGN §4, stage/epoch kinds, checkpointing, validation."""
+"""PositiveWeightSchedule: the entropy-guided rule of docs/design.md §4, stage/epoch kinds, checkpointing, validation."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from fastcov.schedules import PositiveWeightSchedule
 
 
 def _reference_entropy_rule(lam0, delta, step, entropies):
-    """Independent re-statement of DESIGN §4: λ ← clip(λ − Δ) when H < δ, else clip(λ + Δ)."""
+    """Independent re-statement of docs/design.md §4: λ ← clip(λ − Δ) when H < δ, else clip(λ + Δ)."""
     lam, out = lam0, []
     for h in entropies:
         lam = lam - step if h < delta else lam + step
