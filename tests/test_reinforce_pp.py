@@ -77,3 +77,21 @@ def test_recipe():
     cfg = load_config(CONFIGS / "qwen2.5-0.5b-prime.yaml", ["model.path=/m"])
     p = cfg.algo.prime
     assert cfg.algo.adv_estimator == "prime" and (p.beta, p.lr, p.acc_low, p.acc_high) == (0.05, 1e-6, 0.2, 0.8)
+
+
+def test_zero3_reference_is_the_gathered_starting_policy(tmp_path, monkeypatch):
+    """Under ZeRO-3 the policy is created partitioned; the reference must still be the full starting
+    weights: the first step's KL to it is exactly 0."""
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("transformers")
+    from fastcov.trainer import train as train_mod
+    from fastcov.trainer.config import load_config
+    from fastcov.trainer.metrics import read_metrics
+
+    monkeypatch.setattr(train_mod.RewardFn, "__call__", lambda self, text, truth: float(len(text) % 2))
+    cfg = load_config("configs/tiny.yaml", [
+        f"trainer.run_dir={tmp_path / 'z3'}", "reward.sandbox=inline", "algo.adv_estimator=reinforce_pp",
+        "algo.kl_coef=0.5", "algo.mode=vanilla", "trainer.max_steps=1", "trainer.eval_every=0",
+        "trainer.zero_stage=3", "algo.mini_batches=1"])
+    rec = read_metrics(train_mod.train(cfg) / "metrics.jsonl")[-1]
+    assert rec["kl_ref"] == 0.0 and rec["applied_steps"] == 1
