@@ -289,8 +289,8 @@ def _status(rc: int | None, stderr: str, timed_out: bool, over: bool) -> str:
     if rc == SETUP_FAILED and "fastcov-sandbox:" in stderr:
         return "sandbox_error"
     sig = _signal_of(rc)
-    if sig == signal.SIGXCPU or (sig == signal.SIGKILL and "MemoryError" not in stderr and rc != 0):
-        return "cpu_limit" if sig == signal.SIGXCPU else "error"
+    if sig == signal.SIGXCPU:  # the soft CPU limit (the hard one, a second later, is a SIGKILL: "error")
+        return "cpu_limit"
     if sig == signal.SIGXFSZ or "File too large" in stderr:
         return "file_size_limit"
     if "MemoryError" in stderr or "Cannot allocate memory" in stderr:
