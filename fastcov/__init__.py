@@ -3,7 +3,7 @@
 Importing this package never imports deepspeed, vllm or transformers.
 """
 
-from fastcov import advantages, losses, selection
+from fastcov import advantages, losses, metrics, selection, token_advantages
 from fastcov.advantages import (
     broadcast_to_tokens,
     dapo_filter,
@@ -67,5 +67,7 @@ __all__ = [
     "simulate",
     "advantages",
     "losses",
+    "metrics",
     "selection",
+    "token_advantages",
 ]
