@@ -16,31 +16,24 @@ from typing import Callable
 
 import torch
 
+from fastcov.registry import Registry
+
 AdvantageFn = Callable[..., torch.Tensor]
-_ESTIMATORS: dict[str, AdvantageFn] = {}
+ESTIMATORS: Registry[AdvantageFn] = Registry("advantage estimator")
 
 
 def register_advantage(name: str, *, override: bool = False):
     """Decorator registering an advantage estimator under ``name``."""
-
-    def decorator(fn: AdvantageFn) -> AdvantageFn:
-        if name in _ESTIMATORS and not override:
-            raise ValueError(f"advantage estimator {name!r} is already registered")
-        _ESTIMATORS[name] = fn
-        return fn
-
-    return decorator
+    return ESTIMATORS.register(name, override=override)
 
 
 def get_advantage(name: str) -> AdvantageFn:
-    """The estimator registered as ``name``; ValueError naming ``name`` if unknown."""
-    if name not in _ESTIMATORS:
-        raise ValueError(f"name must be one of {sorted(_ESTIMATORS)}, got {name!r}")
-    return _ESTIMATORS[name]
+    """The estimator registered as ``name``; ValueError naming it if unknown."""
+    return ESTIMATORS.get(name)
 
 
 def available_advantages() -> tuple[str, ...]:
-    return tuple(sorted(_ESTIMATORS))
+    return ESTIMATORS.names()
 
 
 # ---------------------------------------------------------------- helpers

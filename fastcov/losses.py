@@ -32,6 +32,7 @@ from typing import Callable
 import torch
 
 from fastcov.covariance import IMPLS, token_covariance, token_covariance_and_keys
+from fastcov.registry import Registry
 from fastcov.selection import (
     check_band,
     check_like,
@@ -178,7 +179,7 @@ class PolicyLossMode:
         return self.loss(logprob, old_logprob, advantages, selected, config)
 
 
-_REGISTRY: dict[str, PolicyLossMode] = {}
+MODES: Registry[PolicyLossMode] = Registry("mode")
 
 
 def register(name: str, *, selector: SelectorFn | None = None, random_keys: bool = False, override: bool = False):
@@ -193,9 +194,7 @@ def register(name: str, *, selector: SelectorFn | None = None, random_keys: bool
         raise TypeError(f"name must be a non-empty str, got {name!r}")
 
     def decorator(loss: TokenLossFn) -> TokenLossFn:
-        if name in _REGISTRY and not override:
-            raise ValueError(f"mode {name!r} is already registered (pass override=True to replace it)")
-        _REGISTRY[name] = PolicyLossMode(name, loss, selector, random_keys)
+        MODES.add(name, PolicyLossMode(name, loss, selector, random_keys), override=override)
         return loss
 
     return decorator
@@ -203,13 +202,11 @@ def register(name: str, *, selector: SelectorFn | None = None, random_keys: bool
 
 def get_policy_loss(name: str) -> PolicyLossMode:
     """The registered mode ``name``; ValueError naming ``mode`` if unknown."""
-    if name not in _REGISTRY:
-        raise ValueError(f"mode must be one of {sorted(_REGISTRY)}, got {name!r}")
-    return _REGISTRY[name]
+    return MODES.get(name)
 
 
 def available_modes() -> tuple[str, ...]:
-    return tuple(sorted(_REGISTRY))
+    return MODES.names()
 
 
 # ---------------------------------------------------------------- the modes

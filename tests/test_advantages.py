@@ -119,7 +119,7 @@ def test_registry():
     assert get_advantage("test_raw") is raw
     with pytest.raises(ValueError, match="already registered"):
         register_advantage("test_raw")(raw)
-    with pytest.raises(ValueError, match="name must be one of"):
+    with pytest.raises(ValueError, match="advantage estimator must be one of .*'grpo'"):
         get_advantage("ppo-gae")
 
 

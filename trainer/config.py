@@ -112,7 +112,7 @@ class CodeRewardConfig:
 class RewardConfig:
     # math: the last \boxed{} answer checked with math-verify; code: the response's last code block runs
     # against the prompt's tests (ground_truth = JSON {"inputs", "outputs"}) in a sandbox (trainer/code_tasks.py).
-    task: Literal["math", "code"] = "math"
+    task: str = "math"  # a name in fastcov.trainer.rewards.REWARD_TASKS
     code: CodeRewardConfig = field(default_factory=CodeRewardConfig)
     kind: Literal["binary", "pm1"] = "binary"  # 1/0 or +1/-1
     timeout_s: float = 5.0
@@ -146,12 +146,13 @@ class PrimeConfig:
 class AlgoConfig:
     # prime: outcome + implicit process rewards, token-level (algo.prime); reinforce_pp with algo.kl_coef > 0:
     # REINFORCE++ with its token-level KL penalty (trainer/token_rewards.py).
-    adv_estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "prime"] = "grpo"
+    # a name in fastcov.advantages.ESTIMATORS, or prime (token-level, trainer/prime.py)
+    adv_estimator: str = "grpo"
     # REINFORCE++'s KL penalty in the reward: r_t = -kl_coef * (log pi_old - log pi_ref)(t), the outcome reward
     # added at the last token, returns summed to the end and normalised over the batch's tokens. 0 = off.
     kl_coef: float = 0.0
     prime: PrimeConfig = field(default_factory=PrimeConfig)
-    mode: Literal["vanilla", "clip_cov", "kl_cov"] = "vanilla"
+    mode: str = "vanilla"  # a name in fastcov.losses.MODES: vanilla, clip_cov, kl_cov, or one registered
     loss_agg: Literal[
         "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
     ] = "token-mean"
@@ -230,6 +231,9 @@ class TrainerConfig:
     # CPU runs: torch intra-op threads, pinned so that a seed gives the same numbers on machines with
     # different core counts (0: torch's default, which follows the machine and OMP_NUM_THREADS).
     threads: int = 1
+    # Modules imported before the config is checked: where a user registers a loss mode
+    # (fastcov.losses.register), an advantage estimator or a reward task, then names it in YAML.
+    imports: list[str] = field(default_factory=list)
     eval_every: int = 10  # 0 = never; evaluation also runs at step 0 and at the end
     eval_k: int = 1
     eval_temperature: float = 0.6  # for data sources aime/aime25/amc; others are greedy
@@ -385,9 +389,38 @@ def _check(cond: bool, key: str, msg: str) -> None:
         raise ConfigError(f"{key}: {msg}")
 
 
+TRAINER_ESTIMATORS = ("prime",)  # advantage estimators the trainer implements itself (token-level)
+
+
+def _check_registered(cfg: Config) -> None:
+    """Import ``trainer.imports`` (where users register their own modes, estimators and reward tasks),
+    then check every name against its registry."""
+    import importlib
+
+    from fastcov.advantages import ESTIMATORS
+    from fastcov.losses import MODES
+    from fastcov.trainer.rewards import REWARD_TASKS
+
+    for i, module in enumerate(cfg.trainer.imports):
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise ConfigError(f"trainer.imports[{i}]: cannot import {module!r} ({exc})") from None
+    a = cfg.algo
+    for registry, value, key, extra in ((MODES, a.mode, "algo.mode", ()),
+                                        (ESTIMATORS, a.adv_estimator, "algo.adv_estimator", TRAINER_ESTIMATORS),
+                                        (REWARD_TASKS, cfg.reward.task, "reward.task", ())):
+        if value not in registry and value not in extra:
+            names = ", ".join(sorted(registry.names() + tuple(extra)))
+            near = difflib.get_close_matches(str(value), list(registry.names()) + list(extra), n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise ConfigError(f"{key}: unknown {registry.kind} {value!r}{hint}; registered: {names}")
+
+
 def validate(cfg: Config) -> Config:
     """Range checks that types cannot express; raises ConfigError naming the key."""
     m, d, r, a, o, t = cfg.model, cfg.data, cfg.rollout, cfg.algo, cfg.optim, cfg.trainer
+    _check_registered(cfg)
     _check((m.path is None) != (m.arch is None), "model.path",
            "set exactly one of model.path (pretrained) and model.arch (fresh model)")
     if m.arch is not None:

@@ -43,7 +43,7 @@ from fastcov.trainer.data import PromptSampler, load_train_val, prepare_data
 from fastcov.trainer.engine import PolicyEngine, ds_config, init_distributed, lr_at, pick_device
 from fastcov.trainer.metrics import MetricsLogger
 from fastcov.trainer.model import PolicyModel, build_model, load_tokenizer, param_dtype, use_liger
-from fastcov.trainer.rewards import RewardFn
+from fastcov.trainer.rewards import REWARD_TASKS, RewardFn
 from fastcov.trainer.token_rewards import make_token_advantages, prime_keep
 from fastcov.trainer.rollout import SamplingParams, make_rollout_engine
 
@@ -597,12 +597,7 @@ def _train(cfg: Config, resume, stop_at, on_end, closing: contextlib.ExitStack, 
     # the HF engine samples from the policy's own module (ZeRO 0-2) or an empty per-rank copy (ZeRO-3)
     rollout = make_rollout_engine(cfg, engine.policy.lm, tokenizer, device=device, rank=rank, world=world,
                                   zero_stage=t.zero_stage)
-    if cfg.reward.task == "code":  # the answer's code runs against the prompt's tests in a sandbox
-        from fastcov.trainer.code_tasks import CodeRewardFn
-
-        reward_fn = CodeRewardFn.from_config(cfg.reward)
-    else:
-        reward_fn = RewardFn(cfg.reward.kind, cfg.reward.timeout_s, cfg.reward.sandbox, cfg.reward.workers)
+    reward_fn = REWARD_TASKS.get(cfg.reward.task)(cfg.reward)  # math: \boxed{} answers; code: a sandbox
     closing.callback(reward_fn.close)
     pad_id = tokenizer.pad_token_id
 
