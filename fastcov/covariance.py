@@ -13,7 +13,7 @@ import torch
 
 from fastcov.kernels import covariance as _triton_impl
 from fastcov.kernels import covariance_torch as _torch_impl
-from fastcov.selection import _all_reduce_sum, check_like, global_offset
+from fastcov.selection import all_reduce_sum, check_like, global_offset
 
 IMPLS = ("auto", "triton", "torch")
 
@@ -68,7 +68,7 @@ def token_covariance_and_keys(
         sums = _triton_impl.masked_sums_triton(advantages, logprob, valid)
     else:
         sums = _torch_impl.masked_sums_torch(advantages, logprob, valid)
-    sums = _all_reduce_sum(sums, group)
+    sums = all_reduce_sum(sums, group)
     means = sums[:2] / sums[2].clamp(min=1.0)
     index_offset = None
     if seed is not None and group is not None:

@@ -117,7 +117,9 @@ def _triton_backend(device: torch.device):
     )
 
 
-def _backend(impl: str, device: torch.device):
+def kernel_backend(impl: str, device: torch.device):
+    """The module implementing ``stats_forward``/``grad_backward`` for ``impl`` on ``device``: the
+    Triton kernels or the PyTorch twin ("auto": Triton on CUDA, the twin elsewhere)."""
     if impl == "torch" or (impl == "auto" and device.type != "cuda"):
         return importlib.import_module("fastcov.kernels.linear_logprob_entropy_torch")
     if impl == "auto":
@@ -155,7 +157,7 @@ def linear_logprob_entropy(
     from fastcov.kernels._workspace import workspace_bytes
 
     workspace = workspace_bytes(workspace_mb)
-    backend = _backend(impl, hidden.device)
+    backend = kernel_backend(impl, hidden.device)
     batch_shape = labels.shape
     hidden2d = hidden.reshape(-1, hidden.shape[-1])
     labels1d = labels.reshape(-1).to(torch.int64).contiguous()

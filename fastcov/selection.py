@@ -90,7 +90,7 @@ def _group_size(group) -> int:
     return dist.get_world_size(group)
 
 
-def _all_reduce_sum(tensor: torch.Tensor, group) -> torch.Tensor:
+def all_reduce_sum(tensor: torch.Tensor, group) -> torch.Tensor:
     if group is not None:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     return tensor
@@ -201,7 +201,7 @@ def _select_largest_radix(order: torch.Tensor, eligible: torch.Tensor, need: tor
         bins = torch.where(matched, digit, overflow_bin).reshape(-1)
         histogram = torch.zeros(overflow_bin + 1, dtype=torch.int64, device=device)
         histogram.scatter_add_(0, bins, torch.ones_like(bins))
-        _all_reduce_sum(histogram, group)
+        all_reduce_sum(histogram, group)
         at_least = histogram[:overflow_bin].flip(0).cumsum(0).flip(0)  # at_least[d] = #matched with digit ≥ d
         chosen = ((at_least >= still_needed).sum() - 1).clamp(min=0)
         at_least_padded = torch.cat([at_least, at_least.new_zeros(1)])
@@ -262,7 +262,7 @@ def select_top_covariance(scores: torch.Tensor, mask: torch.Tensor, ratio: float
     _check_scores_mask(scores, mask)
     ratio = check_ratio(ratio)
     valid = mask.bool()
-    n_valid = _all_reduce_sum(valid.sum().reshape(1), group).reshape(())
+    n_valid = all_reduce_sum(valid.sum().reshape(1), group).reshape(())
     need = torch.minimum(count_from_ratio(ratio, n_valid), n_valid)
     return select_largest(
         float_order_key(scores), valid, need, bound=k_upper_bound(ratio, scores.numel()), group=group
@@ -312,7 +312,7 @@ def select_random_in_band(
     candidates = valid & (scores > lb) & (scores < ub)
     if exclude is not None:
         candidates = candidates & ~exclude.bool()
-    counts = _all_reduce_sum(torch.stack([valid.sum(), candidates.sum()]), group)
+    counts = all_reduce_sum(torch.stack([valid.sum(), candidates.sum()]), group)
     need = torch.minimum(count_from_ratio(ratio, counts[0]), counts[1])
     if keys is None:
         seed = draw_seed(generator, scores.device, group)

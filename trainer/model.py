@@ -154,11 +154,12 @@ def build_model(mcfg, device: torch.device, dtype: torch.dtype, tokenizer=None, 
 
 
 def decoder_of(model: nn.Module) -> nn.Module:
-    """The module that maps input ids to last hidden states (``model.model`` for Qwen2/Llama)."""
-    base = getattr(model, model.base_model_prefix, None)
-    if base is None or base is model:
-        raise ValueError(f"model: cannot find the decoder of {type(model).__name__}")
-    return base
+    """The module that maps input ids to last hidden states (``model.model`` for Qwen2/Llama), found by
+    the one helper every integration uses (``fastcov.integrations.transformers.decoder_and_head``),
+    which also refuses heads the fused kernel is not exact for."""
+    from fastcov.integrations.transformers import decoder_and_head
+
+    return decoder_and_head(model)[0]
 
 
 class PolicyModel(nn.Module):
@@ -170,6 +171,7 @@ class PolicyModel(nn.Module):
 
     def __init__(self, lm: nn.Module):
         super().__init__()
+        decoder_of(lm)  # refuse, at build time, a model whose logits are not lm_head(last hidden state)
         self.lm = lm
 
     def register_external_head(self) -> None:

@@ -139,7 +139,7 @@ def _child_name(model, module) -> Optional[str]:
     return None
 
 
-def _decoder_and_head(model, *, allow_unlisted: bool = False):
+def decoder_and_head(model, *, allow_unlisted: bool = False):
     """(decoder, head) of a model the fused path is exact for; ``UnsupportedModelError`` otherwise."""
     for where, config in _configs(model):
         for attr, neutral in LOGIT_TRANSFORMS.items():
@@ -185,14 +185,14 @@ def _decoder_and_head(model, *, allow_unlisted: bool = False):
 def check_model(model, *, allow_unlisted: bool = False) -> None:
     """Raise ``UnsupportedModelError`` (naming the class and attribute) unless the fused path equals ``model``'s
     own log_softmax(logits); see the module docstring."""
-    _decoder_and_head(model, allow_unlisted=allow_unlisted)
+    decoder_and_head(model, allow_unlisted=allow_unlisted)
 
 
 def fused_logprob_entropy(model, hidden, labels, *, temperature=1.0, vocab_cov=False, impl="auto",
                           ignore_index=-100):
     """Per-token stats of labels [B, T] from the decoder's hidden [B, T, D], shifted so that position
     t scores labels[:, t] from hidden[:, t-1]. Returns a ``LogprobEntropy`` of [B, T] tensors."""
-    _, head = _decoder_and_head(model, allow_unlisted=bool(getattr(model, "_fastcov_allow_unlisted", False)))
+    _, head = decoder_and_head(model, allow_unlisted=bool(getattr(model, "_fastcov_allow_unlisted", False)))
     targets = torch.cat((labels[:, 1:], torch.full_like(labels[:, :1], ignore_index)), dim=1)
     stats = linear_logprob_entropy(hidden, head.weight, targets, bias=head.bias, temperature=temperature,
                                    ignore_index=ignore_index, vocab_cov=vocab_cov, impl=impl)
@@ -213,7 +213,7 @@ def apply_fastcov(model, *, temperature: float = 1.0, vocab_cov: bool = False, i
     """
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
         raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
-    decoder, _ = _decoder_and_head(model, allow_unlisted=allow_unlisted)
+    decoder, _ = decoder_and_head(model, allow_unlisted=allow_unlisted)
     model._fastcov_allow_unlisted = allow_unlisted
     if getattr(model, "_fastcov_original_forward", None) is not None:
         return model

@@ -64,7 +64,7 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from fastcov.integrations.transformers import (  # noqa: E402
     FastcovCausalLMOutput,
-    _decoder_and_head,
+    decoder_and_head,
     fused_logprob_entropy,
 )
 
@@ -180,7 +180,7 @@ def add_fastcov_head(model, temperature: float = 1.0, impl: str = "auto", zero3:
     their gradients like any other parameter's.
     """
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT wraps the HF model
-    _, head = _decoder_and_head(base)  # refuse non-Linear heads and logit transforms now, not at the first step
+    _, head = decoder_and_head(base)  # refuse non-Linear heads and logit transforms now, not at the first step
     if zero3:
         from deepspeed.runtime.zero import register_external_parameter
 
@@ -201,7 +201,7 @@ def add_fastcov_head(model, temperature: float = 1.0, impl: str = "auto", zero3:
         input_ids, attention_mask = kwargs["input_ids"], kwargs["attention_mask"]
         if not 0 < keep < input_ids.shape[1]:
             raise ValueError(f"logits_to_keep must be in [1, {input_ids.shape[1] - 1}], got {keep}")
-        decoder, head = _decoder_and_head(base)  # looked up per call: wrappers may replace the modules
+        decoder, head = decoder_and_head(base)  # looked up per call: wrappers may replace the modules
         dropped = ("labels", "return_dict", "output_hidden_states", "output_attentions", "num_items_in_batch")
         kwargs = {k: v for k, v in kwargs.items() if v is not None and k not in dropped}
         kwargs["use_cache"] = False

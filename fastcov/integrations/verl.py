@@ -38,7 +38,7 @@ import torch
 
 from fastcov.integrations._require import require
 from fastcov.losses import LossConfig, compute_global_selection, get_policy_loss
-from fastcov.ops import _backend, linear_logprob_entropy
+from fastcov.ops import kernel_backend, linear_logprob_entropy
 
 core_algos = require("verl.trainer.ppo.core_algos", "verl", "'fastcov[verl]'")
 if not hasattr(core_algos, "agg_loss") or not hasattr(core_algos, "register_policy_loss"):
@@ -188,7 +188,7 @@ def linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="non
         hidden2d = hidden.reshape(-1, hidden.shape[-1])
         logprobs, entropy, _ = VocabParallelLogprobEntropyFunction.apply(
             hidden2d, weight, labels.reshape(-1).long().contiguous(), float(temperature), -100,
-            dist_process_group, _backend("auto", hidden.device),
+            dist_process_group, kernel_backend("auto", hidden.device),
         )
         logprobs, entropy = logprobs.view(labels.shape), entropy.view(labels.shape)
     if reduction == "sum":
