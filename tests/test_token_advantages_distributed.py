@@ -61,6 +61,8 @@ def _worker(rank, port, out_dir):
                             timeout=timedelta(seconds=120))
     try:
         torch.save(_compute(_seqs()[4 * rank : 4 * rank + 4]), Path(out_dir) / f"rank{rank}.pt")
+        # lopsided: rank 1 holds no sequences at all (e.g. all its groups filtered out)
+        torch.save(_compute(_seqs() if rank == 0 else []), Path(out_dir) / f"lopsided{rank}.pt")
     finally:
         dist.barrier()
         dist.destroy_process_group()
@@ -79,6 +81,14 @@ def test_two_ranks_equal_one_process(tmp_path):
             assert ranks[0][name]["metrics"][k] == pytest.approx(v, rel=1e-4, abs=1e-6), (name, k)
     for p0, p1, p in zip(ranks[0]["prime"]["prm"], ranks[1]["prime"]["prm"], single["prime"]["prm"]):
         torch.testing.assert_close(p0, p1)  # every rank holds the same PRM
+        torch.testing.assert_close(p0, p, rtol=1e-4, atol=1e-5)
+    lop = [torch.load(tmp_path / f"lopsided{r}.pt") for r in range(2)]
+    for name in ("prime", "rpp"):
+        assert lop[1][name]["adv"] == []
+        for a, b in zip(lop[0][name]["adv"], single[name]["adv"]):
+            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-4, atol=1e-4)
+    for p0, p1, p in zip(lop[0]["prime"]["prm"], lop[1]["prime"]["prm"], single["prime"]["prm"]):
+        torch.testing.assert_close(p0, p1)
         torch.testing.assert_close(p0, p, rtol=1e-4, atol=1e-5)
     flat = torch.tensor([a for s in single["rpp"]["adv"] for a in s])
     assert abs(float(flat.mean())) < 1e-5 and single["rpp"]["metrics"]["kl_ref"] != 0

@@ -84,6 +84,8 @@ class ImplicitPRM(FrozenModel):
         self.model.train()
         self.optimizer.zero_grad(set_to_none=False)
         total = float(_all_reduce_(torch.tensor([float(len(seqs))], dtype=torch.float64))[0])
+        if total == 0:  # every group filtered out on every rank: nothing to learn from (same on all ranks)
+            return {"prm_loss": 0.0, "prm_acc": 0.0}
         loss_sum = correct = 0.0
         for mb in micro_batches(seqs, pad_id=pad_id, device=device, **batch_kw):
             res = self.model(**mb.model_inputs(), temperature=temperature, entropy=False)
@@ -102,9 +104,10 @@ class ImplicitPRM(FrozenModel):
             (loss * (len(mb.seq_index) / max(total, 1.0))).backward()
             loss_sum += float(loss.detach()) * len(mb.seq_index)
             correct += float(((score > 0).float() == y).sum())
-        for p in self.params:
-            if p.grad is not None:
-                _all_reduce_(p.grad)
+        for p in self.params:  # every rank reduces every tensor, also one whose rollouts were all filtered out
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            _all_reduce_(p.grad)
         if self.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
         self.optimizer.step()
