@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-verl test-vllm-api bench clean
+.PHONY: demo test test-fast test-verl test-vllm-api bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +17,10 @@ $(STAMP): $(PY) pyproject.toml requirements/dev.txt
 
 test: $(STAMP)
 	$(PY) -m pytest -q -ra
+
+# The development loop: everything but the tests marked slow (multi-process and end-to-end runs).
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -ra -m "not slow"
 
 # Optional integration group: verl 0.9.1 pins transformers < 5.11, so it gets its own environment.
 VERL_VENV  := .venv-verl

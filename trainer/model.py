@@ -60,11 +60,6 @@ def resolve_attn(choice: str, device: torch.device) -> str:
     return "sdpa"
 
 
-# transformers reads the ZeRO-3 setting from the live HfDeepSpeedConfig object it was handed: it must
-# outlive the model's construction (and stays for the process, as the trainer's engine is created once).
-_HF_DEEPSPEED_CONFIG = None
-
-
 def param_dtype(mcfg, device: torch.device) -> torch.dtype:
     """The dtype the policy's parameters are created in: bf16 on a GPU (DeepSpeed keeps the fp32
     master weights inside the optimizer's partitions), fp32 on CPU or with ``model.dtype: fp32``."""
@@ -116,15 +111,35 @@ def build_model(mcfg, device: torch.device, dtype: torch.dtype, tokenizer=None, 
     construction runs inside ``deepspeed.zero.Init`` and a checkpoint's tensors go straight into each
     rank's partition): no rank ever holds more than its 1/world share plus the layer being built.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     attn = resolve_attn(mcfg.attn_implementation, device)
     zero3 = bool(ds_config) and ds_config.get("zero_optimization", {}).get("stage") == 3
     if zero3:
         from transformers.integrations import HfDeepSpeedConfig
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-        global _HF_DEEPSPEED_CONFIG
-        _HF_DEEPSPEED_CONFIG = HfDeepSpeedConfig(ds_config)
+        # transformers reads ZeRO-3 from this live object (a weak reference): it lives while the model
+        # is built, and is unset after, so that no later model of the process is built partitioned.
+        hf_ds_config = HfDeepSpeedConfig(ds_config)
+        try:
+            model = _construct(mcfg, dtype, attn, tokenizer)
+        finally:
+            unset_hf_deepspeed_config()
+            del hf_ds_config
+    else:
+        model = _construct(mcfg, dtype, attn, tokenizer)
+    liger = getattr(mcfg, "liger", False)
+    if use_liger(liger, device):
+        apply_liger(model, required=liger is True or liger == "on")
+    if mcfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    return model if zero3 else model.to(device)  # ZeRO-3 partitions already sit on the device
+
+
+def _construct(mcfg, dtype: torch.dtype, attn: str, tokenizer) -> nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     if mcfg.path is not None:
         try:
             model = AutoModelForCausalLM.from_pretrained(mcfg.path, dtype=dtype, attn_implementation=attn)
@@ -144,13 +159,7 @@ def build_model(mcfg, device: torch.device, dtype: torch.dtype, tokenizer=None, 
             raise ValueError(f"model.arch: {exc}") from exc
         config._attn_implementation = attn
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
-    liger = getattr(mcfg, "liger", False)
-    if use_liger(liger, device):
-        apply_liger(model, required=liger is True or liger == "on")
-    if mcfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.config.use_cache = False
-    return model if zero3 else model.to(device)  # ZeRO-3 partitions already sit on the device
+    return model
 
 
 def decoder_of(model: nn.Module) -> nn.Module:
