@@ -357,7 +357,7 @@ MEMORY_SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("budget_mb", [32, 8])
+@pytest.mark.parametrize("budget_mb", [32, pytest.param(8, marks=pytest.mark.slow)])  # 8: 256 chunks, ~1 min
 def test_twin_peak_memory_stays_within_the_workspace_budget(budget_mb):
     """fp32 logits would be 1 GiB; forward+backward may add only the gradients, the budget
     (set through FASTCOV_WORKSPACE_MB) and 6 MiB for O(N) vectors and the allocator, measured as
