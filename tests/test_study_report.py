@@ -1,0 +1,57 @@
+"""The study's statistics: Student's t without scipy, intervals, and the tables from per-seed runs."""
+
+import math
+
+import pytest
+
+from fastcov.trainer.study_report import diff_ci, mean_ci, study_tables, t_cdf, t_quantile
+
+# two-sided 95% critical values of Student's t (standard tables)
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 5: 2.571, 10: 2.228, 30: 2.042, 1000: 1.962}
+
+
+@pytest.mark.parametrize("dof,want", sorted(T975.items()))
+def test_t_quantile_matches_the_tables(dof, want):
+    assert t_quantile(0.975, dof) == pytest.approx(want, abs=2e-3)
+    assert t_cdf(want, dof) == pytest.approx(0.975, abs=1e-4)
+    assert t_quantile(0.025, dof) == pytest.approx(-want, abs=2e-3)
+
+
+def test_mean_ci_and_welch_by_hand():
+    mean, half = mean_ci([1.0, 2.0, 3.0])
+    assert mean == 2.0 and half == pytest.approx(4.303 * 1.0 / math.sqrt(3), rel=1e-3)
+    assert mean_ci([5.0]) == (5.0, None)
+    gap, half = diff_ci([1.0, 2.0, 3.0], [1.0, 2.0, 3.0])
+    assert gap == 0.0 and half == pytest.approx(2.776 * math.sqrt(2 / 3), rel=1e-3)  # equal variances: dof 4
+    with pytest.raises(ValueError):
+        mean_ci([])
+
+
+def _run(start, end, passk, steps=40, seed=0):
+    import random
+
+    rng = random.Random(seed)
+    end = end + rng.uniform(-0.03, 0.03)  # seed-to-seed spread of where a run ends
+    ent = [start + (end - start) * i / (steps - 1) + rng.uniform(-0.005, 0.005) for i in range(steps)]
+    acc = [0.5 + 0.3 * (1 - math.exp(h - start)) + rng.uniform(-0.01, 0.01) for h in ent[::4]]
+    rollout_acc = [0.5 + 0.3 * (1 - math.exp(h - start)) + rng.uniform(-0.01, 0.01) for h in ent]
+    return {"steps": list(range(1, steps + 1)), "entropy": ent, "rollout_acc": rollout_acc, "eval_steps": list(range(1, steps + 1, 4)),
+            "val_acc": acc, "start_entropy": ent[0], "final_entropy": sum(ent[-4:]) / 4, "final_val_acc": acc[-1],
+            "pass@8": passk, "mean@8": passk - 0.1, "selected_tokens": None, "selected_pos_adv_share": None,
+            "selected_prob": None, "selected_cov": None}
+
+
+def test_study_tables_say_whether_the_gap_excludes_zero():
+    numbers = {"grpo": [_run(0.4, 0.15, 0.8, seed=s) for s in range(3)],
+               "kl_cov": [_run(0.4, 0.35, 0.82, seed=10 + s) for s in range(3)]}
+    lines, summary = study_tables(numbers, 8)
+    text = "\n".join(lines)
+    assert "| grpo | 3 |" in text and "| kl_cov | 3 |" in text
+    gap = summary["arms"]["kl_cov"]["entropy_gap"]
+    assert gap["mean"] == pytest.approx(0.2, abs=0.04) and gap["excludes_zero"]
+    assert "the interval excludes 0" in text
+    means = {a: sum(r["final_entropy"] for r in numbers[a]) / 3 for a in numbers}
+    assert summary["arms"]["kl_cov"]["entropy_ratio_to_baseline"] == pytest.approx(means["kl_cov"] / means["grpo"])
+    assert "Entropy law on grpo" in text and "holdout RMSE" in text
+    same = {"grpo": numbers["grpo"], "kl_cov": [_run(0.4, 0.15, 0.8, seed=20 + s) for s in range(3)]}
+    assert not study_tables(same, 8)[1]["arms"]["kl_cov"]["entropy_gap"]["excludes_zero"]

@@ -1,0 +1,247 @@
+"""Statistics and the report of a multi-seed study: mean ± 95% confidence intervals across seeds, the
+gap between two arms with its interval, entropy curves with bands, and the entropy law tested as the
+paper tests it (fit on the first 15% of GRPO's steps, predict the rest).
+
+Intervals use Student's t with n − 1 degrees of freedom (Welch's for a difference of two arms); with 3
+seeds they are wide, and the report says so rather than hiding it.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Sequence
+
+# ---------------------------------------------------------------- Student's t, without scipy
+
+
+def _betacf(a: float, b: float, x: float) -> float:
+    """Continued fraction of the regularized incomplete beta function (modified Lentz)."""
+    tiny, qab, qap, qam = 1e-300, a + b, a + 1.0, a - 1.0
+    c, d = 1.0, 1.0 - qab * x / qap
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 300):
+        m2 = 2 * m
+        aa = m * (b - m) * x / ((qam + m2) * (a + m2))
+        d = 1.0 + aa * d
+        d = 1.0 / (d if abs(d) > tiny else tiny)
+        c = 1.0 + aa / c if abs(1.0 + aa / c) > tiny else tiny
+        h *= d * c
+        aa = -(a + m) * (qab + m) * x / ((a + m2) * (qap + m2))
+        d = 1.0 + aa * d
+        d = 1.0 / (d if abs(d) > tiny else tiny)
+        c = 1.0 + aa / c if abs(1.0 + aa / c) > tiny else tiny
+        delta = d * c
+        h *= delta
+        if abs(delta - 1.0) < 1e-14:
+            break
+    return h
+
+
+def _betainc(a: float, b: float, x: float) -> float:
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
+    if x < (a + 1.0) / (a + b + 2.0):
+        return front * _betacf(a, b, x) / a
+    return 1.0 - front * _betacf(b, a, 1.0 - x) / b
+
+
+def t_cdf(t: float, dof: float) -> float:
+    """P(T ≤ t) for Student's t with ``dof`` > 0 degrees of freedom."""
+    x = dof / (dof + t * t)
+    tail = 0.5 * _betainc(dof / 2.0, 0.5, x)
+    return 1.0 - tail if t >= 0 else tail
+
+
+def t_quantile(p: float, dof: float) -> float:
+    """The ``p`` quantile (0 < p < 1) of Student's t, by bisection on ``t_cdf``."""
+    if not 0.0 < p < 1.0 or not dof > 0:
+        raise ValueError(f"t_quantile needs 0 < p < 1 and dof > 0, got p={p}, dof={dof}")
+    lo, hi = -1e3, 1e3
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if t_cdf(mid, dof) < p:
+            lo = mid
+        else:
+            hi = mid
+    return 0.5 * (lo + hi)
+
+
+def mean_ci(values: Sequence[float], level: float = 0.95) -> tuple[float, float | None]:
+    """(mean, half-width of the ``level`` t-interval); half-width None with fewer than 2 values."""
+    xs = [float(v) for v in values]
+    if not xs:
+        raise ValueError("mean_ci needs at least one value")
+    n = len(xs)
+    mean = sum(xs) / n
+    if n < 2:
+        return mean, None
+    var = sum((x - mean) ** 2 for x in xs) / (n - 1)
+    return mean, t_quantile(0.5 + level / 2, n - 1) * math.sqrt(var / n)
+
+
+def diff_ci(a: Sequence[float], b: Sequence[float], level: float = 0.95) -> tuple[float, float | None]:
+    """(mean(a) − mean(b), half-width of Welch's ``level`` interval); None when either has < 2 values."""
+    a, b = [float(x) for x in a], [float(x) for x in b]
+    ma, mb = sum(a) / len(a), sum(b) / len(b)
+    if len(a) < 2 or len(b) < 2:
+        return ma - mb, None
+    va = sum((x - ma) ** 2 for x in a) / (len(a) - 1) / len(a)
+    vb = sum((x - mb) ** 2 for x in b) / (len(b) - 1) / len(b)
+    se = math.sqrt(va + vb)
+    if se == 0.0:
+        return ma - mb, 0.0
+    dof = (va + vb) ** 2 / (va * va / (len(a) - 1) + vb * vb / (len(b) - 1))
+    return ma - mb, t_quantile(0.5 + level / 2, dof) * se
+
+
+# ---------------------------------------------------------------- per-run numbers
+
+
+def run_numbers(run_dir: Path, pass_k: int) -> dict[str, Any]:
+    """What the study compares, from one run's metrics.jsonl: entropy at the start and the end (mean of the
+    last 10% of steps, so one noisy step does not decide), final validation accuracy, pass@k and mean@k
+    of the last evaluation, and the entropy curve."""
+    from fastcov.trainer.report import read_rows
+
+    rows = read_rows(Path(run_dir) / "metrics.jsonl")
+    train = [r for r in rows if r.get("entropy") is not None]
+    evals = [r for r in rows if r.get("val_acc") is not None]
+    if not train:
+        raise ValueError(f"{run_dir}: no training steps in metrics.jsonl")
+    tail = train[-max(1, len(train) // 10):]
+    last = evals[-1] if evals else {}
+    sel = [r for r in train if r.get("sel/pos_adv_share") is not None]
+    return {
+        "steps": [r["step"] for r in train],
+        "entropy": [r["entropy"] for r in train],
+        "rollout_acc": [r.get("acc_mean", r.get("reward_mean")) for r in train],
+        "eval_steps": [r["step"] for r in evals],
+        "val_acc": [r["val_acc"] for r in evals],
+        "start_entropy": train[0]["entropy"],
+        "final_entropy": sum(r["entropy"] for r in tail) / len(tail),
+        "final_val_acc": last.get("val_acc"),
+        f"pass@{pass_k}": last.get(f"val_pass@{pass_k}"),
+        f"mean@{pass_k}": last.get(f"val_mean@{pass_k}"),
+        "selected_tokens": (sum(r.get("sel/tokens_per_update", 0.0) for r in sel) / len(sel)) if sel else None,
+        "selected_pos_adv_share": (sum(r["sel/pos_adv_share"] for r in sel) / len(sel)) if sel else None,
+        "selected_prob": (sum(r["sel/mean_prob"] for r in sel) / len(sel)) if sel else None,
+        "selected_cov": (sum(r["sel/mean_cov"] for r in sel) / len(sel)) if sel else None,
+    }
+
+
+def law_holdout(numbers: dict[str, Any], fit_fraction: float = 0.15) -> dict[str, Any] | None:
+    """R = −a·e^H + b fitted on the first ``fit_fraction`` of a run's steps (R: the step's rollout
+    accuracy, H: its rollout entropy), predicting the rest: holdout RMSE and predicted ceiling b − a."""
+    from fastcov.law import fit_entropy_law
+
+    pairs = [(h, r) for h, r in zip(numbers["entropy"], numbers["rollout_acc"]) if r is not None]
+    try:
+        law = fit_entropy_law([h for h, _ in pairs], [v for _, v in pairs], fit_fraction=fit_fraction)
+    except ValueError as exc:
+        return {"error": str(exc), "points": len(pairs)}
+    return {"a": law.a, "b": law.b, "ceiling": law.ceiling, "holdout_rmse": law.holdout_rmse,
+            "n_fit": law.n_fit, "points": len(pairs)}
+
+
+# ---------------------------------------------------------------- the report
+
+
+def _cell(mean: float | None, half: float | None, spec: str = ".3f") -> str:
+    if mean is None:
+        return "—"
+    return f"{mean:{spec}}" + (f" ± {half:{spec}}" if half is not None else "")
+
+
+def study_tables(numbers: dict[str, list[dict[str, Any]]], pass_k: int, baseline: str = "grpo",
+                 focus: str = "kl_cov") -> tuple[list[str], dict[str, Any]]:
+    """Markdown lines and a summary dict: per arm mean ± 95% CI across seeds; the focus arm's entropy gap
+    to the baseline with Welch's interval; selection diagnostics; the law holdout of the baseline."""
+    keys = ("start_entropy", "final_entropy", "final_val_acc", f"pass@{pass_k}", f"mean@{pass_k}")
+    lines = ["| arm | seeds | entropy start | entropy end | entropy end ÷ GRPO's | val acc end | "
+             f"pass@{pass_k} | mean@{pass_k} |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    summary: dict[str, Any] = {"arms": {}}
+    base_end = [n["final_entropy"] for n in numbers.get(baseline, [])]
+    for arm, runs in numbers.items():
+        stats = {}
+        for k in keys:
+            vals = [r[k] for r in runs if r.get(k) is not None]
+            stats[k] = mean_ci(vals) if vals else (None, None)
+        ratio = (stats["final_entropy"][0] / (sum(base_end) / len(base_end))) if base_end and sum(base_end) > 0 else None
+        summary["arms"][arm] = {k: {"mean": m, "ci95": h} for k, (m, h) in stats.items()}
+        summary["arms"][arm]["entropy_ratio_to_baseline"] = ratio
+        lines.append(f"| {arm} | {len(runs)} | " + " | ".join(
+            [_cell(*stats["start_entropy"]), _cell(*stats["final_entropy"]),
+             "—" if ratio is None else f"{ratio:.2f}×", _cell(*stats["final_val_acc"]),
+             _cell(*stats[f"pass@{pass_k}"]), _cell(*stats[f"mean@{pass_k}"])]) + " |")
+    lines.append("")
+    for arm in numbers:
+        if arm == baseline or baseline not in numbers:
+            continue
+        gap, half = diff_ci([n["final_entropy"] for n in numbers[arm]], base_end)
+        summary["arms"][arm]["entropy_gap"] = {"mean": gap, "ci95": half,
+                                               "excludes_zero": half is not None and abs(gap) > half}
+        acc = [[n.get(f"pass@{pass_k}") for n in numbers[x]] for x in (arm, baseline)]
+        if all(v is not None for vs in acc for v in vs):
+            pgap, phalf = diff_ci(*acc)
+            summary["arms"][arm][f"pass@{pass_k}_gap"] = {"mean": pgap, "ci95": phalf}
+        if arm == focus or len(numbers) <= 3:
+            lines.append(f"- {arm} − {baseline}, final entropy: {_cell(gap, half)} nats/token "
+                         f"({'the interval excludes 0' if half is not None and abs(gap) > half else 'the interval includes 0'}).")
+    lines += ["", "Which tokens the covariance methods acted on (means over steps and seeds):", "",
+              "| arm | tokens per update | share with A > 0 | mean p | mean c_t |", "|---|---:|---:|---:|---:|"]
+    for arm, runs in numbers.items():
+        sel = [r for r in runs if r.get("selected_tokens") is not None]
+        if not sel:
+            continue
+        avg = {k: sum(r[k] for r in sel) / len(sel) for k in ("selected_tokens", "selected_pos_adv_share",
+                                                               "selected_prob", "selected_cov")}
+        summary["arms"][arm]["selection"] = avg
+        lines.append(f"| {arm} | {avg['selected_tokens']:.1f} | {avg['selected_pos_adv_share']:.2f} | "
+                     f"{avg['selected_prob']:.3f} | {avg['selected_cov']:.3g} |")
+    if baseline in numbers:
+        laws = [law_holdout(n) for n in numbers[baseline]]
+        ok = [x for x in laws if x and "error" not in x]
+        summary["law"] = laws
+        lines += ["", f"Entropy law on {baseline} (R = −a·e^H + b with R the step's rollout accuracy, fitted on the "
+                  "first 15% of steps, predicting the rest):", ""]
+        if ok:
+            rmse = mean_ci([x["holdout_rmse"] for x in ok])
+            ceil = mean_ci([x["ceiling"] for x in ok])
+            lines.append(f"- holdout RMSE {_cell(*rmse)} (accuracy units), predicted ceiling b − a {_cell(*ceil)}, "
+                         f"over {len(ok)} seed(s), {ok[0]['n_fit']} fitted of {ok[0]['points']} steps each.")
+        for x in laws:
+            if x and "error" in x:
+                lines.append(f"- a seed could not be fitted: {x['error']}")
+    return lines, summary
+
+
+def plot_bands(numbers: dict[str, list[dict[str, Any]]], path: Path) -> Path | None:
+    """Entropy vs step per arm: the mean over seeds, with the min-max band across seeds."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for arm, runs in numbers.items():
+        steps = runs[0]["steps"]
+        n = min(len(r["entropy"]) for r in runs)
+        cols = [[r["entropy"][i] for r in runs] for i in range(n)]
+        mean = [sum(c) / len(c) for c in cols]
+        line, = ax.plot(steps[:n], mean, label=f"{arm} ({len(runs)} seeds)")
+        ax.fill_between(steps[:n], [min(c) for c in cols], [max(c) for c in cols], color=line.get_color(), alpha=0.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("rollout entropy (nats/token)")
+    ax.set_title("Entropy across seeds (line: mean, band: min-max)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
