@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast test-verl test-vllm-api bench clean
+.PHONY: demo study test test-fast test-verl test-vllm-api bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -59,6 +59,12 @@ demo: $(STAMP)
 	@if ! $(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
 		export DS_ACCELERATOR=cpu; fi; \
 	$(PY) -m fastcov.trainer.demo $(DEMO_ARGS)
+
+# GRPO, Clip-Cov, KL-Cov and two controls x 3 seeds on the demo task: runs/study/report.md (mean +- 95% CI).
+study: $(STAMP)
+	@if ! $(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
+		export DS_ACCELERATOR=cpu; fi; \
+	$(PY) -m fastcov.trainer.study configs/studies/entropy-control.yaml $(STUDY_ARGS)
 
 clean:
 	rm -rf $(VENV) $(VERL_VENV) build *.egg-info .pytest_cache

@@ -44,3 +44,31 @@ def test_study_runs_three_arms_and_reports(tmp_path):
     assert lams == [0.0]  # the re-weighting arm starts at lambda 0 (the schedule's steps: the test above)
     assert all(r.get("lambda") == 1.0 for r in
                [json.loads(ln) for ln in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()] if "lambda" in r)
+
+
+def test_multi_seed_study_reports_intervals_and_the_law(tmp_path):
+    """configs/studies/entropy-control.yaml's arms x 2 seeds at a tiny size: every arm/seed trains, and the
+    report carries mean ± CI, the gap to GRPO, the selection table and the law holdout."""
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("transformers")
+    from fastcov.trainer.study import load_study, main
+
+    study_file = ROOT / "configs" / "studies" / "entropy-control.yaml"
+    study = load_study(study_file)
+    assert study["seeds"] == [0, 1, 2] and set(study["arms"]) == {"grpo", "clip_cov", "kl_cov", "kl_cov_beta0",
+                                                                 "kl_cov_random"}
+    rc = main([str(study_file), "--out", str(tmp_path), "--sft-steps", "2", "--n-train", "64", "--n-val", "4",
+               "--seeds", "0,1", "--arms", "grpo,kl_cov_random", "trainer.max_steps=20", "trainer.eval_every=20",
+               "trainer.eval_k=2", "trainer.prompts_per_step=2", "rollout.n=4", "algo.mini_batches=1",
+               "rollout.max_new_tokens=6", "trainer.progress=false"])
+    assert rc == 0
+    text = (tmp_path / "report.md").read_text()
+    assert "| grpo | 2 |" in text and "| kl_cov_random | 2 |" in text and " ± " in text
+    assert "kl_cov_random − grpo, final entropy" in text and "Entropy law on grpo" in text
+    summary = json.loads((tmp_path / "study.json").read_text())
+    assert summary["seeds"] == [0, 1] and set(summary["runs"]) == {"grpo/seed0", "grpo/seed1", "kl_cov_random/seed0",
+                                                                   "kl_cov_random/seed1"}
+    m0 = (tmp_path / "grpo" / "seed0" / "metrics.jsonl").read_text()
+    m1 = (tmp_path / "grpo" / "seed1" / "metrics.jsonl").read_text()
+    assert m0 != m1, "seeds must change the run"
+    assert (tmp_path / "entropy_bands.png").is_file()

@@ -1,6 +1,6 @@
 """Run a study: several arms (config overrides) from one base config and one start, then one report.
 
-    python -m fastcov.trainer.study configs/studies/jin-reweight.yaml [--out DIR] [--arms a,b] [KEY=VALUE ...]
+    python -m fastcov.trainer.study configs/studies/jin-reweight.yaml [--out DIR] [--arms a,b] [--seeds 0,1] [KEY=VALUE ...]
 
 A study file (YAML)::
 
@@ -14,7 +14,10 @@ A study file (YAML)::
       grpo_reweight: [algo.mode=vanilla, algo.pos_weight_schedule=true]
       kl_cov: [algo.mode=kl_cov]
 
-``setup: demo`` runs steps 1-2 of ``make demo`` into ``<out>/data`` and ``<out>/sft`` (``--reuse-sft`` keeps
+``seeds: [0, 1, 2]`` trains every arm once per seed (``trainer.seed``; run directories ``<out>/<arm>/seed<s>``)
+and reports mean ± 95% confidence intervals across seeds, the gap of each arm to ``grpo`` with its interval,
+the selection diagnostics, the entropy law's 15% holdout on ``grpo`` and ``entropy_bands.png``
+(``trainer/study_report.py``); ``pass_k`` (default 8) picks the pass@k column. ``setup: demo`` runs steps 1-2 of ``make demo`` into ``<out>/data`` and ``<out>/sft`` (``--reuse-sft`` keeps
 an existing warm-start model) and points every arm at them; ``setup: none`` leaves model and data to the
 base config and overrides. Command-line KEY=VALUE overrides apply to every arm, after the study's own.
 Each arm trains with ``--overwrite`` semantics (an earlier run is moved aside, never deleted).
@@ -43,8 +46,12 @@ def load_study(path: str | Path) -> dict:
     if not isinstance(data, dict) or not isinstance(data.get("arms"), dict) or not data["arms"]:
         raise UserError(f"{p}: a study needs 'arms', a mapping of name -> list of KEY=VALUE overrides")
     for key in data:
-        if key not in ("title", "base", "out", "setup", "common", "arms", "notes"):
-            raise UserError(f"{p}: unknown study key {key!r} (title, base, out, setup, common, arms, notes)")
+        if key not in ("title", "base", "out", "setup", "common", "arms", "notes", "seeds", "pass_k"):
+            raise UserError(f"{p}: unknown study key {key!r} (title, base, out, setup, common, arms, notes, "
+                            "seeds, pass_k)")
+    seeds = data.get("seeds", [None])
+    if not isinstance(seeds, list) or not seeds or not all(s is None or (isinstance(s, int) and s >= 0) for s in seeds):
+        raise UserError(f"{p}: seeds must be a non-empty list of non-negative ints, got {seeds!r}")
     if data.get("setup", "none") not in ("demo", "none"):
         raise UserError(f"{p}: setup must be 'demo' or 'none', got {data.get('setup')!r}")
     for name, over in data["arms"].items():
@@ -67,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n-train", type=int, default=2000)
     ap.add_argument("--n-val", type=int, default=128)
     ap.add_argument("--reuse-sft", action="store_true", help="setup: demo: keep an existing warm-start model")
+    ap.add_argument("--seeds", default=None, help="comma-separated seeds, replacing the study's")
     ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="applied to every arm")
     args = ap.parse_intermixed_args(argv)
     if not os.environ.get("DS_ACCELERATOR"):
@@ -103,18 +111,37 @@ def main(argv: list[str] | None = None) -> int:
                 demo.warm_start(sft_dir, data_dir, demo.SFTConfig(steps=steps), 2, 9)
             setup = [f"model.path={sft_dir / 'model'}", f"data.train_files=[{data_dir / 'train.parquet'}]",
                      f"data.val_files=[{data_dir / 'val.parquet'}]"]
-        cfgs = {a: load_config(base, setup + list(study.get("common") or []) + list(study["arms"][a])
-                               + [f"trainer.run_dir={out / a}"] + list(args.overrides)) for a in arms}
+        seeds = study.get("seeds", [None])
+        if args.seeds:
+            try:
+                seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+            except ValueError:
+                raise UserError(f"--seeds: expected comma-separated ints, got {args.seeds!r}") from None
+        multi = len(seeds) > 1
+        runs = [(a, sd) for a in arms for sd in seeds]  # arm-major: one arm's seeds back to back
+
+        def run_dir(a, sd):
+            return out / a / f"seed{sd}" if multi else out / a
+
+        cfgs = {(a, sd): load_config(base, setup + list(study.get("common") or []) + list(study["arms"][a])
+                                     + [f"trainer.run_dir={run_dir(a, sd)}"]
+                                     + ([f"trainer.seed={sd}"] if sd is not None else []) + list(args.overrides))
+                for a, sd in runs}
     except UserError as exc:
         print(f"study: {exc}", file=sys.stderr)
         return 2
-    run_dirs, timings = [], {}
-    for a in arms:
-        print(f"[study] training {a} (mode {cfgs[a].algo.mode}, {cfgs[a].trainer.max_steps} steps)", flush=True)
+    run_dirs, timings = {}, {}
+    for a, sd in runs:
+        cfg = cfgs[(a, sd)]
+        print(f"[study] training {a}" + (f" seed {sd}" if multi else "")
+              + f" (mode {cfg.algo.mode}, {cfg.trainer.max_steps} steps)", flush=True)
         t0 = time.perf_counter()
-        run_dirs.append(train(cfgs[a], overwrite=True))
-        timings[a] = time.perf_counter() - t0
+        run_dirs[(a, sd)] = train(cfg, overwrite=True)
+        timings[a] = timings.get(a, 0.0) + time.perf_counter() - t0
     total = time.perf_counter() - t_start
+    if multi:
+        return _seed_report(study, args, out, base, arms, seeds, run_dirs, timings, total)
+    run_dirs = [run_dirs[(a, seeds[0])] for a in arms]
     pre = (f"Study `{os.path.relpath(args.study)}` on `{os.path.relpath(base)}`; wall time {total:.0f}s ("
            + ", ".join(f"{a} {s:.0f}s" for a, s in timings.items()) + ").")
     if study.get("notes"):
@@ -122,6 +149,33 @@ def main(argv: list[str] | None = None) -> int:
     report, _ = write_report(run_dirs, out, study.get("title", "fastcov study"), pre)
     print(report.read_text())
     print(f"[study] report: {report}")
+    return 0
+
+
+def _seed_report(study, args, out: Path, base: str, arms, seeds, run_dirs, timings, total) -> int:
+    """report.md, study.json and entropy_bands.png of a multi-seed study (mean ± 95% CI across seeds)."""
+    import json
+
+    from fastcov.trainer.study_report import plot_bands, run_numbers, study_tables
+
+    pass_k = int(study.get("pass_k", 8))
+    numbers = {a: [run_numbers(run_dirs[(a, sd)], pass_k) for sd in seeds] for a in arms}
+    lines, summary = study_tables(numbers, pass_k)
+    plot = plot_bands(numbers, out / "entropy_bands.png")
+    head = [f"# {study.get('title', 'fastcov study')}", "",
+            f"Study `{os.path.relpath(args.study)}` on `{os.path.relpath(base)}`, seeds {seeds}; wall time "
+            f"{total:.0f}s (" + ", ".join(f"{a} {s:.0f}s" for a, s in timings.items()) + ").",
+            "Mean ± 95% confidence interval across seeds (Student's t; Welch's for differences). "
+            "Entropy end: mean of the last 10% of steps. pass@k / mean@k: the last evaluation.", ""]
+    if study.get("notes"):
+        head += [str(study["notes"]).strip(), ""]
+    body = head + lines + ([f"", f"![entropy across seeds]({plot.name})"] if plot else [])
+    (out / "report.md").write_text("\n".join(body) + "\n")
+    summary.update(seeds=seeds, pass_k=pass_k, wall_s=total,
+                   runs={f"{a}/seed{sd}": str(run_dirs[(a, sd)]) for a, sd in run_dirs})
+    (out / "study.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
+    print("\n".join(body))
+    print(f"[study] report: {out / 'report.md'}")
     return 0
 
 
