@@ -20,6 +20,17 @@ ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "tiny.yaml"
 
 
+@pytest.fixture(autouse=True)
+def _restore_the_environment():
+    """In-process training sets MASTER_PORT/RANK/...: later tests that launch their own training
+    processes would inherit that (busy) rendezvous. Put the environment back. (The gloo group stays:
+    DeepSpeed keeps using it in later in-process runs.)"""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 def test_rng_state_round_trips_through_weights_only_load(tmp_path):
     gens = {"sample": torch.Generator().manual_seed(5)}
     random.seed(1), np.random.seed(2), torch.manual_seed(3)
