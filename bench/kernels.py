@@ -164,25 +164,54 @@ def _base_result(spec: dict, name: str) -> dict:
     return res
 
 
-def run_shape(spec: dict) -> dict:
-    """Measure the implementations ``spec["impls"]`` at one shape in this process. Never raises.
-    Returns {"cases": [one result per implementation], "matmul": the plain matmul rate or None}.
+def _closures(fns: dict, inputs, temperature: float) -> dict:
+    """Per implementation: {"fwd": no-grad call, "fb": call + autograd.grad of Σ g·logprob + e·entropy}."""
+    hidden, weight, labels, up_g, up_e = inputs
+    out = {}
+    for name, fn in fns.items():
+        def fwd(fn=fn):
+            with torch.no_grad():
+                return fn(hidden, weight, labels, temperature)
 
-    In the timing modes the plain matmul ``hidden @ weight[:Vc].T`` of the same inputs is timed
-    alongside (in the round-robin when interleaving), so "% of matmul" compares like with like.
+        def fb(fn=fn):
+            logprob, entropy = fn(hidden, weight, labels, temperature)
+            loss = (logprob.float() * up_g).sum()
+            if entropy is not None:
+                loss = loss + (entropy.float() * up_e).sum()
+            return torch.autograd.grad(loss, (hidden, weight))
 
-    spec["mode"]: "time" (timing only), "memory" (peak memory + the float64 check only) or "all".
-    spec["interleave"]: time the implementations round-robin, one call each per round, so that a
-    shared machine's load drifts into all of them alike (the CPU default); otherwise one
-    implementation after the other, ``warmup`` then ``repeats`` calls each (the CUDA default).
-    """
-    device = torch.device(spec["device"])
-    n, d, v = spec["n"], spec["d"], spec["v"]
-    dtype = getattr(torch, spec["dtype"])
-    temperature = float(spec["temperature"])
-    warmup, repeats, mode = spec["warmup"], spec["repeats"], spec.get("mode", "all")
-    if spec.get("threads"):
-        torch.set_num_threads(spec["threads"])
+        out[name] = {"fwd": fwd, "fb": fb}
+    return out
+
+
+class _Guard:
+    """Runs one implementation's call and records, rather than raises, what goes wrong: after a failure
+    of its 'fwd' or 'fb' kind that kind is skipped for the rest of the shape."""
+
+    def __init__(self, names, results: dict, device: torch.device):
+        self.failed: dict[str, dict[str, str]] = {name: {} for name in names}
+        self.results, self.device = results, device
+
+    def __call__(self, name: str, kind: str, what: str, body):
+        if kind in self.failed[name]:
+            return None
+        try:
+            return body()
+        except Exception as exc:  # noqa: BLE001
+            if _is_oom(exc):
+                self.failed[name][kind] = f"OOM in {what}"
+            elif isinstance(exc, ImportError):  # a lazily imported optional backend is missing
+                self.failed[name][kind] = "unavailable: " + _short(exc)
+            else:
+                self.failed[name][kind] = f"error in {what}: " + _short(exc)
+                self.results[name].setdefault("traceback", traceback.format_exc(limit=6))
+            del exc
+            M.free_memory(self.device)
+            return None
+
+
+def _load_impls(spec: dict, device: torch.device) -> tuple[dict, dict]:
+    """(callables of the implementations that load, result rows of all of them)."""
     results = {name: _base_result(spec, name) for name in spec["impls"]}
     fns = {}
     for name in spec["impls"]:
@@ -192,155 +221,151 @@ def run_shape(spec: dict) -> dict:
             results[name].update(status="unavailable", reason=str(exc))
         except Exception as exc:  # noqa: BLE001 - a peer that cannot even load must not stop the run
             results[name].update(status="unavailable", reason="load failed: " + _short(exc))
+    return fns, results
+
+
+def _time_floor(inputs, spec: dict, device: torch.device) -> dict:
+    """The same-shape cuBLAS chain's fwd and fwd+bwd times (``floor_calls``), or {"error": ...}."""
+    n, d, v = spec["n"], spec["d"], spec["v"]
+    try:
+        chain = floor_calls(inputs[0], inputs[1])
+        floor = {"chunk": chain["chunk"]}
+        for kind in ("fwd", "fb"):
+            t = M.time_fn(chain[kind], device, warmup=max(1, spec["warmup"]), repeats=max(3, spec["repeats"]))
+            floor[f"{kind}_ms"] = M.median(t)
+            floor[f"{kind}_tflops"] = M.tflops((2.0 if kind == "fwd" else 8.0) * n * d * v, floor[f"{kind}_ms"])
+        return floor
+    except Exception as exc:  # noqa: BLE001 - the floor is a reference, its failure is reported
+        M.free_memory(device)
+        return {"error": _short(exc)}
+
+
+def _time_impls(spec: dict, device: torch.device, inputs, calls: dict, guard: _Guard) -> dict | None:
+    """Time fwd and fwd+bwd of every implementation (round-robin when ``spec["interleave"]``) beside the
+    plain matmul ``hidden @ weight[:Vc].T`` and the cuBLAS floor; fills the result rows, returns the
+    matmul record (with the floor) or None."""
+    n, d, v = spec["n"], spec["d"], spec["v"]
+    warmup, repeats, names = spec["warmup"], spec["repeats"], list(calls)
+    vc = min(v, MATMUL_V_CHUNK)
+    mm_a, mm_w = inputs[0].detach(), inputs[1].detach()[:vc]
+    mm_times: list[float] = []
+    matmul = None
+
+    def mm_call():
+        return torch.matmul(mm_a, mm_w.T)
+
+    floor = _time_floor(inputs, spec, device)
+    if not spec.get("interleave"):
+        try:
+            mm_times = M.time_fn(mm_call, device, warmup=max(2, warmup), repeats=max(5, repeats))
+        except Exception as exc:  # noqa: BLE001
+            matmul = {"error": _short(exc)}
+            M.free_memory(device)
+    for kind in ("fwd", "fb"):
+        label = "forward" if kind == "fwd" else "forward+backward"
+        if spec.get("interleave"):
+            times = {name: [] for name in names}
+            for it in range(warmup + repeats):
+                if kind == "fwd" and matmul is None:
+                    try:
+                        t = M.time_fn(mm_call, device, warmup=0, repeats=1)
+                        mm_times += t if it >= warmup else []
+                    except Exception as exc:  # noqa: BLE001
+                        matmul = {"error": _short(exc)}
+                for name in names:
+                    t = guard(name, kind, label, lambda: M.time_fn(calls[name][kind], device, warmup=0, repeats=1))
+                    if t and it >= warmup:
+                        times[name] += t
+        else:
+            times = {name: guard(name, kind, label, lambda: M.time_fn(
+                calls[name][kind], device, warmup=warmup, repeats=repeats)) for name in names}
+        if spec.get("verbose"):
+            log(f"    {spec['group']} N={n}: {label} timed for {', '.join(names)}")
+        for name, t in times.items():
+            if t and kind not in guard.failed[name]:
+                guard.results[name].update({f"{kind}_times_ms": t, f"{kind}_ms": M.median(t), f"{kind}_min_ms": min(t)})
+    if mm_times and matmul is None:
+        ms = M.median(mm_times)
+        matmul = {"n": n, "d": d, "v_chunk": vc, "dtype": spec["dtype"], "ms": ms, "times_ms": mm_times,
+                  "tflops": M.tflops(2.0 * n * d * vc, ms)}
+    if matmul is not None:
+        matmul["floor"] = floor
+    return matmul
+
+
+def _check_rows(out, inputs, spec: dict) -> dict:
+    """The first rows' log-prob/entropy against float64, outside the measurements."""
+    hidden, weight, labels = inputs[:3]
+    logprob, entropy = out
+    rows = min(spec["n"], spec.get("check_rows", CHECK_ROWS))
+    ref_lp, ref_ent = _reference_rows(hidden, weight, labels, float(spec["temperature"]), rows)
+    check = {"rows": rows, "logprob_max_abs": float((logprob[:rows].double() - ref_lp).abs().max()),
+             "logprob_max": float(logprob.max()), "finite": bool(torch.isfinite(logprob).all())}
+    if entropy is not None:
+        check["entropy_max_abs"] = float((entropy[:rows].double() - ref_ent).abs().max())
+        check["finite"] = check["finite"] and bool(torch.isfinite(entropy).all())
+    return check
+
+
+def _measure_memory(spec: dict, device: torch.device, inputs, fns: dict, calls: dict, guard: _Guard) -> None:
+    """Peak memory of fwd and fwd+bwd per implementation, and the float64 check of its forward."""
+    if spec.get("mode") == "memory":  # warm up at a tiny shape: lazy imports, compilation, library scratch
+        tiny = _make_inputs(min(spec["n"], 16), spec["d"], spec["v"], getattr(torch, spec["dtype"]), device,
+                            spec["seed"])
+        for name, c in _closures(fns, tiny, float(spec["temperature"])).items():
+            guard(name, "fb", "warm-up", c["fb"])
+            guard(name, "fwd", "warm-up", c["fwd"])
+        del tiny
+    for name in fns:
+        res = guard.results[name]
+
+        def mem(kind, name=name, res=res):
+            with M.PeakMemory(device) as pm:
+                out = calls[name][kind]()
+                M.sync(device)
+            res[f"{kind}_peak_bytes"], res["mem_method"] = pm.peak_bytes, pm.method
+            return out if kind == "fwd" else None
+
+        out = guard(name, "fwd", "forward (memory)", lambda: mem("fwd"))
+        if out is not None:
+            res["check"] = _check_rows(out, inputs, spec)
+            del out
+        guard(name, "fb", "forward+backward (memory)", lambda: mem("fb"))
+        if spec.get("verbose"):
+            log(f"    {spec['group']} N={spec['n']}: memory of {name} measured")
+
+
+def run_shape(spec: dict) -> dict:
+    """Measure the implementations ``spec["impls"]`` at one shape in this process. Never raises.
+    Returns {"cases": [one result per implementation], "matmul": the plain matmul rate (with the
+    cuBLAS floor) or None}.
+
+    spec["mode"]: "time" (timing only), "memory" (peak memory + the float64 check only) or "all".
+    spec["interleave"]: time the implementations round-robin, one call each per round, so that a
+    shared machine's load drifts into all of them alike (the CPU default); otherwise one
+    implementation after the other, ``warmup`` then ``repeats`` calls each (the CUDA default).
+    """
+    device = torch.device(spec["device"])
+    mode = spec.get("mode", "all")
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
+    fns, results = _load_impls(spec, device)
     if not fns:
         return {"cases": list(results.values()), "matmul": None}
-
-    def closures(inputs):
-        hidden, weight, labels, up_g, up_e = inputs
-        out = {}
-        for name, fn in fns.items():
-            def fwd(fn=fn):
-                with torch.no_grad():
-                    return fn(hidden, weight, labels, temperature)
-
-            def fb(fn=fn):
-                logprob, entropy = fn(hidden, weight, labels, temperature)
-                loss = (logprob.float() * up_g).sum()
-                if entropy is not None:
-                    loss = loss + (entropy.float() * up_e).sum()
-                return torch.autograd.grad(loss, (hidden, weight))
-
-            out[name] = {"fwd": fwd, "fb": fb}
-        return out
-
-    failed: dict[str, dict[str, str]] = {name: {} for name in fns}
-
-    def guarded(name: str, kind: str, what: str, body):
-        """Run ``body`` for implementation ``name`` unless its ``kind`` ('fwd'/'fb') already failed."""
-        if kind in failed[name]:
-            return None
-        try:
-            return body()
-        except Exception as exc:  # noqa: BLE001
-            if _is_oom(exc):
-                failed[name][kind] = f"OOM in {what}"
-            elif isinstance(exc, ImportError):  # a lazily imported optional backend is missing
-                failed[name][kind] = "unavailable: " + _short(exc)
-            else:
-                failed[name][kind] = f"error in {what}: " + _short(exc)
-                results[name].setdefault("traceback", traceback.format_exc(limit=6))
-            del exc
-            M.free_memory(device)
-            return None
-
-    inputs = _make_inputs(n, d, v, dtype, device, spec["seed"])
-    calls = closures(inputs)
-    matmul = None
+    guard = _Guard(fns, results, device)
+    inputs = _make_inputs(spec["n"], spec["d"], spec["v"], getattr(torch, spec["dtype"]), device, spec["seed"])
+    calls = _closures(fns, inputs, float(spec["temperature"]))
     for name in fns:  # compilation is not what the benchmark times, whatever the warm-up count
         if IMPLS[name].compiles:
             for kind in ("fwd", "fb"):
-                guarded(name, kind, "compilation", calls[name][kind])
-
-    if mode in ("all", "time"):
-        vc = min(v, MATMUL_V_CHUNK)
-        mm_a, mm_w = inputs[0].detach(), inputs[1].detach()[:vc]
-        mm_times: list[float] = []
-
-        def mm_call():
-            return torch.matmul(mm_a, mm_w.T)
-
-        floor = {}
-        try:
-            chain = floor_calls(mm_a, inputs[1])
-            for kind in ("fwd", "fb"):
-                t = M.time_fn(chain[kind], device, warmup=max(1, warmup), repeats=max(3, repeats))
-                floor[f"{kind}_ms"] = M.median(t)
-                floor[f"{kind}_tflops"] = M.tflops((2.0 if kind == "fwd" else 8.0) * n * d * v, floor[f"{kind}_ms"])
-            floor["chunk"] = chain["chunk"]
-            del chain
-        except Exception as exc:  # noqa: BLE001 - the floor is a reference, its failure is reported
-            floor = {"error": _short(exc)}
-            M.free_memory(device)
-        if not spec.get("interleave"):
-            try:
-                mm_times = M.time_fn(mm_call, device, warmup=max(2, warmup), repeats=max(5, repeats))
-            except Exception as exc:  # noqa: BLE001
-                matmul = {"error": _short(exc)}
-                M.free_memory(device)
-        for kind in ("fwd", "fb"):
-            label = "forward" if kind == "fwd" else "forward+backward"
-            if spec.get("interleave"):
-                times = {name: [] for name in fns}
-                for it in range(warmup + repeats):
-                    if kind == "fwd" and matmul is None:
-                        try:
-                            t = M.time_fn(mm_call, device, warmup=0, repeats=1)
-                            if it >= warmup:
-                                mm_times += t
-                        except Exception as exc:  # noqa: BLE001
-                            matmul = {"error": _short(exc)}
-                    for name in fns:
-                        t = guarded(name, kind, label, lambda: M.time_fn(calls[name][kind], device,
-                                                                           warmup=0, repeats=1))
-                        if t and it >= warmup:
-                            times[name] += t
-            else:
-                times = {name: guarded(name, kind, label, lambda: M.time_fn(
-                    calls[name][kind], device, warmup=warmup, repeats=repeats)) for name in fns}
-            if spec.get("verbose"):
-                log(f"    {spec['group']} N={n}: {label} timed for {', '.join(fns)}")
-            for name, t in times.items():
-                if t and kind not in failed[name]:
-                    results[name].update({f"{kind}_times_ms": t, f"{kind}_ms": M.median(t), f"{kind}_min_ms": min(t)})
-
-        if mm_times and matmul is None:
-            ms = M.median(mm_times)
-            matmul = {"n": n, "d": d, "v_chunk": vc, "dtype": spec["dtype"], "ms": ms, "times_ms": mm_times,
-                      "tflops": M.tflops(2.0 * n * d * vc, ms)}
-        if matmul is not None:
-            matmul["floor"] = floor
-
+                guard(name, kind, "compilation", calls[name][kind])
+    matmul = _time_impls(spec, device, inputs, calls, guard) if mode in ("all", "time") else None
     if mode in ("all", "memory"):
-        if mode == "memory":  # warm up at a tiny shape: lazy imports, compilation, library scratch
-            tiny = _make_inputs(min(n, 16), d, v, dtype, device, spec["seed"])
-            for name, c in closures(tiny).items():
-                guarded(name, "fb", "warm-up", c["fb"])
-                guarded(name, "fwd", "warm-up", c["fwd"])
-            del tiny
-        hidden, weight, labels = inputs[:3]
-        for name in fns:
-            res = results[name]
-
-            def mem(kind, name=name, res=res):
-                with M.PeakMemory(device) as pm:
-                    out = calls[name][kind]()
-                    M.sync(device)
-                res[f"{kind}_peak_bytes"], res["mem_method"] = pm.peak_bytes, pm.method
-                return out if kind == "fwd" else None
-
-            out = guarded(name, "fwd", "forward (memory)", lambda: mem("fwd"))
-            if out is not None:  # sanity check against float64 on a few rows, outside the measurements
-                logprob, entropy = out
-                rows = min(n, spec.get("check_rows", CHECK_ROWS))
-                ref_lp, ref_ent = _reference_rows(hidden, weight, labels, temperature, rows)
-                check = {"rows": rows,
-                         "logprob_max_abs": float((logprob[:rows].double() - ref_lp).abs().max()),
-                         "logprob_max": float(logprob.max()),
-                         "finite": bool(torch.isfinite(logprob).all())}
-                if entropy is not None:
-                    check["entropy_max_abs"] = float((entropy[:rows].double() - ref_ent).abs().max())
-                    check["finite"] = check["finite"] and bool(torch.isfinite(entropy).all())
-                res["check"] = check
-                del out, logprob, entropy
-            guarded(name, "fb", "forward+backward (memory)", lambda: mem("fb"))
-            if spec.get("verbose"):
-                log(f"    {spec['group']} N={n}: memory of {name} measured")
-
-
-    for name, fails in failed.items():
+        _measure_memory(spec, device, inputs, fns, calls, guard)
+    for name, fails in guard.failed.items():
         if fails:
             _set_status(results[name], list(fails.values()), [f"{k}: {r}" for k, r in fails.items()])
-    del inputs, calls, fns
+    inputs = calls = fns = None  # release the tensors before the allocator is emptied
     M.free_memory(device)
     return {"cases": list(results.values()), "matmul": matmul}
 
@@ -466,19 +491,10 @@ def _resolve_presets(name: str) -> list[str]:
     return PRESET_ALIASES.get(name, [name])
 
 
-def run_preset(preset_name: str, args, device: torch.device, on_case=None, matmul_out=None) -> dict:
-    """Run every shape of a preset; ``on_case(row)`` is called with each finished, derived row
-    (``matmul_out``, when given, is the dict the per-shape matmul/floor results are filled into)."""
-    preset = PRESETS[preset_name]
-    dtype_name = args.dtype or preset["dtype"]
-    dtype = getattr(torch, dtype_name)
-    isolate = args.isolate == "always" or (args.isolate == "auto" and device.type == "cpu")
-    threads = args.threads if args.threads is not None else preset.get("threads", 1 if device.type == "cpu" else 0)
-    default_threads = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)  # for what runs in this process
-    groups_out, matmul, cases = [], ({} if matmul_out is None else matmul_out), []
-    plan = []
+def _plan_groups(preset: dict, args, device: torch.device, dtype_name: str) -> tuple[list[dict], list[tuple]]:
+    """The preset's groups as run (command-line overrides applied) and one (group, n, d, v, impls, warmup,
+    repeats, interpreted) per shape."""
+    groups_out, plan = [], []
     for grp in preset["groups"]:
         interp = bool(grp.get("interpret"))
         d = grp["d"] if interp or args.d is None else args.d
@@ -486,74 +502,94 @@ def run_preset(preset_name: str, args, device: torch.device, on_case=None, matmu
         ns = grp["ns"] if interp or not args.n else args.n
         impls = [i for i in (args.impls or preset.get("impls") or DEFAULT_IMPLS)
                  if grp.get("impls") is None or i in grp["impls"]]
-        if interp and device.type == "cuda":
-            continue  # the interpreter group exists for CPU-only machines
-        if interp and "fastcov-triton" not in impls:
-            continue
+        if interp and (device.type == "cuda" or "fastcov-triton" not in impls):
+            continue  # the interpreter group exists for CPU-only machines, for the Triton row
         warmup = grp.get("warmup", args.warmup if args.warmup is not None else preset["warmup"])
         repeats = grp.get("repeats", args.repeats if args.repeats is not None else preset["repeats"])
         groups_out.append({"name": grp["name"], "d": d, "v": v, "ns": ns, "impls": impls, "dtype": dtype_name,
                            "warmup": warmup, "repeats": repeats, "interpret": interp, "note": grp.get("note", "")})
-        for n in ns:
-            plan.append((grp["name"], n, d, v, impls, warmup, repeats, interp))
-    total = sum(len(p[4]) for p in plan)
-    k = 0
+        plan += [(grp["name"], n, d, v, impls, warmup, repeats, interp) for n in ns]
+    return groups_out, plan
+
+
+def _run_one_shape(spec: dict, impls: list[str], device: torch.device, isolate: bool, timeout: float):
+    """(result row per implementation, matmul record or None) of one shape: unavailable rows from the
+    probes; on CPU timing in one subprocess and memory in a fresh one per case, else all in-process."""
+    rows: dict[str, dict] = {}
+    runnable, mm = [], None
+    for impl in impls:
+        reason = _probe(impl, device, spec["interpret"] and isolate)
+        if reason:
+            rows[impl] = {**_base_result(spec, impl), "status": "unavailable", "reason": reason}
+        else:
+            runnable.append(impl)
+    where = f"{spec['group']} N={spec['n']}"
+    if runnable and isolate:
+        log(f"... {where}: timing {', '.join(runnable)} (interleaved, one process)")
+        timed = run_shape_isolated({**spec, "impls": runnable, "mode": "time"}, timeout)
+        mm = timed["matmul"]
+        for tres in timed["cases"]:
+            if tres["status"] == "unavailable":
+                rows[tres["impl"]] = tres
+                continue
+            log(f"... {where}: memory of {tres['impl']} (fresh process)")
+            mres = run_shape_isolated({**spec, "impls": [tres["impl"]], "mode": "memory"}, timeout)["cases"][0]
+            rows[tres["impl"]] = _merge(tres, mres)
+    elif runnable:
+        log(f"... {where}: {', '.join(runnable)} (one process, one after the other)")
+        out = run_shape({**spec, "impls": runnable, "mode": "all", "verbose": True})
+        mm = out["matmul"]
+        rows.update({res["impl"]: res for res in out["cases"]})
+    return rows, mm
+
+
+def _log_matmul(spec: dict, mm: dict) -> None:
+    where = f"{spec['group']} N={spec['n']}"
+    if mm.get("tflops"):
+        log(f"[matmul] {where} [{spec['n']},{spec['d']}]@[{spec['d']},{mm['v_chunk']}] {spec['dtype']}: "
+            f"{mm['ms']:.3f} ms, {mm['tflops']:.3f} TFLOP/s")
+    fl = mm.get("floor") or {}
+    if fl.get("fb_ms"):
+        log(f"[floor] {where}: cuBLAS chain fwd {fl['fwd_ms']:.3f} ms, fwd+bwd {fl['fb_ms']:.3f} ms "
+            f"({fl['fb_tflops']:.3f} TFLOP/s)")
+
+
+def run_preset(preset_name: str, args, device: torch.device, on_case=None, matmul_out=None) -> dict:
+    """Run every shape of a preset; ``on_case(row)`` is called with each finished, derived row
+    (``matmul_out``, when given, is the dict the per-shape matmul/floor results are filled into)."""
+    preset = PRESETS[preset_name]
+    dtype_name = args.dtype or preset["dtype"]
+    isolate = args.isolate == "always" or (args.isolate == "auto" and device.type == "cpu")
+    threads = args.threads if args.threads is not None else preset.get("threads", 1 if device.type == "cpu" else 0)
+    default_threads = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)  # for what runs in this process
+    matmul, cases = ({} if matmul_out is None else matmul_out), []
+    groups_out, plan = _plan_groups(preset, args, device, dtype_name)
+    interpreted = {g["name"] for g in groups_out if g["interpret"]}
+    total, k = sum(len(p[4]) for p in plan), 0
     for gname, n, d, v, impls, warmup, repeats, interp in plan:
         spec = {"group": gname, "n": n, "d": d, "v": v, "dtype": dtype_name, "device": str(device),
                 "temperature": args.temperature, "warmup": warmup, "repeats": repeats, "seed": args.seed,
                 "interpret": interp, "interleave": device.type == "cpu", "threads": threads}
-        rows: dict[str, dict] = {}
-        runnable, mm = [], None
-        for impl in impls:
-            reason = _probe(impl, device, interp and isolate)
-            if reason:
-                rows[impl] = {**_base_result(spec, impl), "status": "unavailable", "reason": reason}
-            else:
-                runnable.append(impl)
         t0 = time.perf_counter()
-        if runnable and isolate:
-            log(f"... {gname} N={n}: timing {', '.join(runnable)} (interleaved, one process)")
-            timed = run_shape_isolated({**spec, "impls": runnable, "mode": "time"}, args.case_timeout)
-            mm = timed["matmul"]
-            for tres in timed["cases"]:
-                if tres["status"] == "unavailable":
-                    rows[tres["impl"]] = tres
-                    continue
-                log(f"... {gname} N={n}: memory of {tres['impl']} (fresh process)")
-                mres = run_shape_isolated({**spec, "impls": [tres["impl"]], "mode": "memory"},
-                                          args.case_timeout)["cases"][0]
-                rows[tres["impl"]] = _merge(tres, mres)
-        elif runnable:
-            log(f"... {gname} N={n}: {', '.join(runnable)} (one process, one after the other)")
-            out = run_shape({**spec, "impls": runnable, "mode": "all", "verbose": True})
-            mm = out["matmul"]
-            for res in out["cases"]:
-                rows[res["impl"]] = res
-        dt = time.perf_counter() - t0
+        rows, mm = _run_one_shape(spec, impls, device, isolate, args.case_timeout)
         if mm is not None:
             matmul[f"{gname}/{n}"] = {"group": gname, **mm}
-            if mm.get("tflops"):
-                log(f"[matmul] {gname} N={n} [{n},{d}]@[{d},{mm['v_chunk']}] {dtype_name}: "
-                    f"{mm['ms']:.3f} ms, {mm['tflops']:.3f} TFLOP/s")
-        if mm is not None and (mm.get("floor") or {}).get("fb_ms"):
-            fl = mm["floor"]
-            log(f"[floor] {gname} N={n}: cuBLAS chain fwd {fl['fwd_ms']:.3f} ms, fwd+bwd {fl['fb_ms']:.3f} ms "
-                f"({fl['fb_tflops']:.3f} TFLOP/s)")
-        shape_rows = [rows[impl] for impl in impls]
-        _derive(shape_rows, matmul, {g["name"] for g in groups_out if g["interpret"]})
+            _log_matmul(spec, mm)
+        _derive([rows[impl] for impl in impls], matmul, interpreted)
         for impl in impls:
             k += 1
             cases.append(rows[impl])
             log(f"[{k}/{total}] {gname} N={n} D={d} V={v} {impl:<15} " + _progress(rows[impl]))
             if on_case is not None:
                 on_case(rows[impl])
-        log(f"    ({dt:.1f} s for {gname} N={n})")
-    _derive(cases, matmul, {g["name"] for g in groups_out if g["interpret"]})
+        log(f"    ({time.perf_counter() - t0:.1f} s for {gname} N={n})")
+    _derive(cases, matmul, interpreted)
     torch.set_num_threads(default_threads)
     return {"preset": preset_name, "device_kind": device.type, "dtype": dtype_name,
             "temperature": args.temperature, "isolated": isolate, "groups": groups_out,
-            "threads": threads or default_threads,
-            "matmul": matmul, "cases": cases}
+            "threads": threads or default_threads, "matmul": matmul, "cases": cases}
 
 
 def _progress(res: dict) -> str:
