@@ -4,8 +4,11 @@
     -> ppo_epochs x mini-batches x token-budget micro-batches of fastcov.policy_loss -> weight sync
     -> metrics, evaluation, checkpoints
 
-Steps 4 and 5 are functions (``compute_old_logprobs``, ``update_policy``) that tests call with fixed
-rollouts. In ``algo.scope: global`` (the default) Clip-Cov/KL-Cov select tokens once per mini-batch over
+``_train`` at the bottom is the loop; each step is a named function above it: ``start_run`` (checks,
+data, policy, rollout engine, resume), ``collect_rollouts`` (steps 1-3, with DAPO's refill),
+``score_and_update`` (4-6: ``compute_old_logprobs``, ``update_policy``, the weight sync), ``step_metrics``
+(7) and ``end_step`` (8-9: evaluation, checkpoint, the metrics row). A ``Run`` carries the state between
+steps; tests call ``compute_old_logprobs`` and ``update_policy`` with fixed rollouts. In ``algo.scope: global`` (the default) Clip-Cov/KL-Cov select tokens once per mini-batch over
 all ranks (``mini_batch_selection``), so the update does not depend on the micro-batch split or the
 number of ranks. Micro-batches are padded or, with ``trainer.packing``, packed (trainer/batch.py).
 
@@ -25,6 +28,7 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass, field
+from typing import Any
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +37,6 @@ import torch
 from fastcov.advantages import dapo_filter, get_advantage
 from fastcov.cli import one_line
 from fastcov.losses import LossConfig, Selection, compute_global_selection, get_policy_loss, policy_loss
-from fastcov.schedules import PositiveWeightSchedule
 from fastcov.trainer.batch import MicroBatch, Sequence, micro_batches, sequence_tensors
 from fastcov.trainer.checkpoint import (CheckpointError, check_checkpoint, fsync_path, fsync_tree,
                                        latest_checkpoint, load_checkpoint, move_aside, publish_checkpoint,
@@ -43,7 +46,7 @@ from fastcov.trainer.data import PromptSampler, load_train_val, prepare_data
 from fastcov.trainer.engine import PolicyEngine, ds_config, init_distributed, lr_at, pick_device
 from fastcov.trainer.metrics import MetricsLogger
 from fastcov.trainer.model import PolicyModel, build_model, load_tokenizer, param_dtype, use_liger
-from fastcov.trainer.rewards import REWARD_TASKS, RewardFn
+from fastcov.trainer.rewards import REWARD_TASKS, RewardFn  # noqa: F401 - RewardFn: the name tests patch
 from fastcov.trainer.token_rewards import make_token_advantages, prime_keep
 from fastcov.trainer.rollout import SamplingParams, make_rollout_engine
 
@@ -544,11 +547,58 @@ def train(cfg: Config, resume: bool | str = False, stop_at: int | None = None, o
         return _train(cfg, resume, stop_at, on_end, closing, overwrite)
 
 
-def _train(cfg: Config, resume, stop_at, on_end, closing: contextlib.ExitStack, overwrite: bool = False) -> Path:
-    t, a, r = cfg.trainer, cfg.algo, cfg.rollout
-    # ------------------------------------------------------------------ setup
-    # Everything a user can get wrong is checked before the first write: nothing on disk changes
-    # when a run stops with a user error (bad run dir, --resume target, model path, data file).
+@dataclass
+class Run:
+    """Everything a training run holds between steps (built by ``start_run``)."""
+
+    cfg: Config
+    device: torch.device
+    rank: int
+    world: int
+    run_dir: Path
+    tokenizer: Any
+    train_set: list
+    val_set: list
+    engine: PolicyEngine
+    rollout: Any
+    reward_fn: Any
+    token_adv: Any  # REINFORCE++'s KL / PRIME's token-level advantages, or None
+    sampler: PromptSampler
+    gens: dict[str, torch.Generator]
+    lam_sched: Any  # Jin et al.'s λ schedule, or None
+    counters: dict[str, int]
+    step: int = 0
+    logger: Any = None
+    pbar: Any = None
+    warned: dict[str, bool] = field(default_factory=lambda: {"empty_band": False})
+
+    @property
+    def ckpt_root(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+    def sync_weights(self) -> None:
+        self.rollout.update_weights(self.engine.weight_buckets(self.cfg.rollout.sync_bucket_mb))
+
+    def evaluate(self, step: int) -> dict:
+        return evaluate(self.rollout, self.val_set, self.reward_fn, self.tokenizer, self.cfg, self.rank,
+                        self.world, self.device, step)
+
+    def log_durably(self, rec: dict) -> None:
+        """One metrics row, flushed and fsynced (before the step's checkpoint can be published)."""
+        if self.logger:
+            self.logger.log(rec)
+            fsync_path(self.logger.path)
+
+    def trainer_state(self) -> dict:
+        return {"step": self.step, "sampler": self.sampler.state_dict(), "counters": self.counters,
+                "lambda": self.lam_sched.state_dict() if self.lam_sched is not None else None, "world": self.world}
+
+
+def _check_and_prepare(cfg: Config, resume, overwrite: bool):
+    """Setup up to the first write. Everything a user can get wrong is checked before it: nothing on disk
+    changes when a run stops with a user error (bad run dir, --resume target, model path, data file).
+    Returns (device, rank, world, resume_path, tokenizer, train_set, val_set, data_stats)."""
+    t = cfg.trainer
     try:
         device = pick_device(t.device)
     except ValueError as exc:
@@ -561,7 +611,6 @@ def _train(cfg: Config, resume, stop_at, on_end, closing: contextlib.ExitStack, 
         raise ConfigError(f"trainer.prompts_per_step: {t.prompts_per_step} is not divisible by the "
                           f"{world} data-parallel ranks; pick a multiple of {world}")
     run_dir = Path(t.run_dir)
-    ckpt_root = run_dir / "checkpoints"
     resume_path = check_run_dir(run_dir, resume, overwrite, rank)
     check_model_source(cfg.model)
     try:
@@ -569,7 +618,6 @@ def _train(cfg: Config, resume, stop_at, on_end, closing: contextlib.ExitStack, 
     except ValueError as exc:
         raise _user_error(exc) from None
     dist.barrier()  # every rank has checked before rank 0 moves or writes anything
-
     seed_everything(t.seed)  # identical model init on every rank
     try:
         tokenizer = load_tokenizer(cfg.model)
@@ -584,7 +632,11 @@ def _train(cfg: Config, resume, stop_at, on_end, closing: contextlib.ExitStack, 
         train_files, val_files = prepare_data(cfg, tokenizer, run_dir, rank)
         dist.barrier()
         train_set, val_set, data_stats = load_train_val(cfg, tokenizer, train_files, val_files)
+    return device, rank, world, resume_path, tokenizer, train_set, val_set, data_stats
 
+
+def _build(cfg: Config, device: torch.device, rank: int, world: int, tokenizer, closing: contextlib.ExitStack):
+    """(policy engine, rollout engine, reward function, token-level advantages or None)."""
     try:
         lm = build_model(cfg.model, device, param_dtype(cfg.model, device), tokenizer,
                          ds_config=ds_config(cfg, device, world))
@@ -596,216 +648,202 @@ def _train(cfg: Config, resume, stop_at, on_end, closing: contextlib.ExitStack, 
     engine = PolicyEngine(PolicyModel(lm), cfg, device, world)
     # the HF engine samples from the policy's own module (ZeRO 0-2) or an empty per-rank copy (ZeRO-3)
     rollout = make_rollout_engine(cfg, engine.policy.lm, tokenizer, device=device, rank=rank, world=world,
-                                  zero_stage=t.zero_stage)
+                                  zero_stage=cfg.trainer.zero_stage)
     reward_fn = REWARD_TASKS.get(cfg.reward.task)(cfg.reward)  # math: \boxed{} answers; code: a sandbox
     closing.callback(reward_fn.close)
-    pad_id = tokenizer.pad_token_id
+    return engine, rollout, reward_fn, token_adv
 
-    seed_everything(t.seed + 1000 * rank)
-    sampler = PromptSampler(len(train_set), t.seed)
-    gens = {
-        "sample": torch.Generator(device=device).manual_seed(t.seed * 1_000_003 + rank),
-        "select": torch.Generator(device=device).manual_seed(t.seed * 1_000_033 + rank + 17),
-    }
-    lam_sched = positive_weight_schedule(a) if a.pos_weight_schedule else None  # Jin et al.'s lambda
-    counters = {"skipped_steps": 0, "filtered_groups": 0, "reward_timeouts": 0}
-    warned = {"empty_band": False}
-    step = 0
-    if resume_path is not None:
-        path = resume_path
-        state = load_checkpoint(path, engine, gens, rank)
-        step = state["step"]
+
+def _resume(run: Run, path: Path) -> None:
+    """Model, optimizer, RNG, data position, counters, λ and PRIME's reward model from a checkpoint."""
+    state = load_checkpoint(path, run.engine, run.gens, run.rank)
+    run.step = state["step"]
+    try:
+        run.sampler.load_state_dict(state["sampler"])
+        run.counters.update(state["counters"])
+        if run.lam_sched is not None:
+            run.lam_sched.load_state_dict(state["lambda"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"--resume: {str(path)!r} does not fit this run's config or data "
+                              f"({type(exc).__name__}: {one_line(exc)})") from None
+    if run.token_adv is not None and run.token_adv.prm is not None:
         try:
-            sampler.load_state_dict(state["sampler"])
-            counters.update(state["counters"])
-            if lam_sched is not None:
-                lam_sched.load_state_dict(state["lambda"])
-        except (ValueError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"--resume: {str(path)!r} does not fit this run's config or data "
-                                  f"({type(exc).__name__}: {one_line(exc)})") from None
-        if token_adv is not None and token_adv.prm is not None:
-            try:
-                token_adv.prm.load(path)
-            except (OSError, RuntimeError, KeyError, ValueError) as exc:
-                raise CheckpointError(f"--resume: PRIME's reward model: {one_line(exc)}") from None
-        if rank == 0:
-            print(f"[fastcov] resumed from {path} at step {step}", flush=True)
+            run.token_adv.prm.load(path)
+        except (OSError, RuntimeError, KeyError, ValueError) as exc:
+            raise CheckpointError(f"--resume: PRIME's reward model: {one_line(exc)}") from None
+    if run.rank == 0:
+        print(f"[fastcov] resumed from {path} at step {run.step}", flush=True)
+        trimmed = trim_metrics(run.run_dir / "metrics.jsonl", run.step)
+        if trimmed["dropped"] or trimmed["torn"]:
+            print(f"[fastcov] metrics.jsonl: dropped {trimmed['dropped']} row(s) after step {run.step}"
+                  f"{' and a torn last line' if trimmed['torn'] else ''}", flush=True)
+
+
+def start_run(cfg: Config, resume, overwrite: bool, closing: contextlib.ExitStack) -> Run:
+    """Checks, data, policy, rollout engine, rewards, RNG, a resumed state, the metrics log, a progress bar."""
+    t, a = cfg.trainer, cfg.algo
+    device, rank, world, resume_path, tokenizer, train_set, val_set, data_stats = _check_and_prepare(
+        cfg, resume, overwrite)
+    engine, rollout, reward_fn, token_adv = _build(cfg, device, rank, world, tokenizer, closing)
+    seed_everything(t.seed + 1000 * rank)
+    gens = {"sample": torch.Generator(device=device).manual_seed(t.seed * 1_000_003 + rank),
+            "select": torch.Generator(device=device).manual_seed(t.seed * 1_000_033 + rank + 17)}
+    run = Run(cfg, device, rank, world, Path(t.run_dir), tokenizer, train_set, val_set, engine, rollout, reward_fn,
+              token_adv, PromptSampler(len(train_set), t.seed), gens,
+              positive_weight_schedule(a) if a.pos_weight_schedule else None,  # Jin et al.'s λ
+              {"skipped_steps": 0, "filtered_groups": 0, "reward_timeouts": 0})
+    if resume_path is not None:
+        _resume(run, resume_path)
     if rank == 0:
-        save_config(cfg, run_dir / "config.yaml")
-        if resume_path is not None:
-            trimmed = trim_metrics(run_dir / "metrics.jsonl", step)
-            if trimmed["dropped"] or trimmed["torn"]:
-                print(f"[fastcov] metrics.jsonl: dropped {trimmed['dropped']} row(s) after step {step}"
-                      f"{' and a torn last line' if trimmed['torn'] else ''}", flush=True)
-    logger = (MetricsLogger(run_dir, cfg.to_dict(), t.tensorboard, t.wandb, t.wandb_project,
-                            resume_step=step if resume_path is not None else None) if rank == 0 else None)
-    if logger:
-        closing.callback(logger.close)
-    if rank == 0:
-        print(f"[fastcov] run {run_dir}: {len(train_set)} train / {len(val_set)} val prompts "
+        save_config(cfg, run.run_dir / "config.yaml")
+        run.logger = MetricsLogger(run.run_dir, cfg.to_dict(), t.tensorboard, t.wandb, t.wandb_project,
+                                   resume_step=run.step if resume_path is not None else None)
+        closing.callback(run.logger.close)
+        print(f"[fastcov] run {run.run_dir}: {len(train_set)} train / {len(val_set)} val prompts "
               f"({json.dumps(data_stats)}), world {world}, device {device}, zero {t.zero_stage}, "
               f"mode {a.mode}", flush=True)
+        if t.progress:
+            from tqdm.auto import tqdm
 
-    def sync_weights() -> None:
-        rollout.update_weights(engine.weight_buckets(r.sync_bucket_mb))
+            # in a log file (not a terminal) a line every 30 s instead of one per step
+            run.pbar = tqdm(total=t.max_steps, initial=run.step, desc=f"train {a.mode}", dynamic_ncols=True,
+                            mininterval=0.1 if sys.stderr.isatty() else 30.0)
+            closing.callback(run.pbar.close)
+    return run
 
-    def trainer_state() -> dict:
-        return {"step": step, "sampler": sampler.state_dict(), "counters": counters,
-                "lambda": lam_sched.state_dict() if lam_sched is not None else None,
-                "world": world}
 
-    def write_pending_checkpoint() -> Path:
-        """Phase 1 of a save (the slow part); ``publish_checkpoint`` renames it into place."""
-        return write_checkpoint(ckpt_root, step, engine, trainer_state(), gens, rank)
+def score_and_update(run: Run, col: Collected, rec: dict) -> tuple[UpdateStats, list[float], float]:
+    """Steps 4-6: old log-probs (and token-level advantages), the policy update, the weight sync.
+    Returns (update stats, [entropy sum, token count, rollout log-prob gap sum] on this rank, lr)."""
+    cfg, a, times = run.cfg, run.cfg.algo, col.times
+    pad_id = run.tokenizer.pad_token_id
+    t0 = time.perf_counter()
+    global_scope = a.scope == "global"  # its first mini-batch's selection reuses these
+    old = compute_old_logprobs(run.engine, col.seqs, cfg, pad_id, run.device,
+                               keep_entropy=global_scope and a.high_entropy_fraction is not None,
+                               keep_vocab_cov=global_scope and a.cov_score == "vocab")
+    times["old_logprob"] = time.perf_counter() - t0
+    if run.token_adv is not None:  # REINFORCE++ with KL penalty, PRIME: token-level advantages
+        t0 = time.perf_counter()
+        rec.update(run.token_adv.apply(col.seqs, pad_id, run.device, batching(cfg, run.engine)))
+        times["token_rewards"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    rec["lambda"] = run.lam_sched.value if run.lam_sched is not None else a.pos_adv_weight
+    lr = lr_at(run.engine.steps, cfg.optim, cfg.trainer.max_steps * a.ppo_epochs * a.mini_batches)
+    upd = update_policy(run.engine, col.seqs, col.kept_groups, cfg, loss_config(a, pos_adv_weight=rec["lambda"]),
+                        lr, pad_id, run.device, run.gens["select"])
+    if upd.skipped_steps:
+        run.counters["skipped_steps"] += upd.skipped_steps
+        if run.rank == 0:
+            warnings.warn(f"step {run.step}: non-finite loss or gradient; {upd.skipped_steps} optimizer "
+                          f"step(s) skipped ({run.counters['skipped_steps']} so far)", stacklevel=1)
+    times["update"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    run.sync_weights()
+    times["sync"] = time.perf_counter() - t0
+    return upd, list(old), lr
 
-    def log_durably(rec: dict) -> None:
-        """One metrics row, flushed and fsynced (before the step's checkpoint can be published)."""
-        if logger:
-            logger.log(rec)
-            fsync_path(logger.path)
 
-    sync_weights()
-    pbar = None
-    if rank == 0 and t.progress:
-        from tqdm.auto import tqdm
+def step_metrics(run: Run, col: Collected, upd: UpdateStats, old: list[float], lr: float, rec: dict) -> float:
+    """Step 7: the step's metrics over all ranks into ``rec``; returns the prompt + response tokens."""
+    cfg, a = run.cfg, run.cfg.algo
+    resp_lens = [len(x) for x in col.token_ids]
+    (r_sum, r_n, len_sum, e_sum, tk_sum, d_sum, p_sum, m_n, l_sum) = all_sum(
+        [sum(col.rewards), len(col.rewards), sum(resp_lens), *old, sum(len(p) for p in col.prompts),
+         float(upd.metric_tokens), upd.loss_sum], run.device)
+    mvals = all_sum([upd.metric_sums.get(k, 0.0) for k in LOSS_METRICS], run.device)
+    reward = r_sum / max(r_n, 1)
+    rec.update({
+        "reward_mean": reward, "acc_mean": reward if cfg.reward.kind == "binary" else (reward + 1) / 2,
+        "entropy": e_sum / max(tk_sum, 1), "response_len": len_sum / max(r_n, 1),
+        "rollout_logprob_diff": d_sum / max(tk_sum, 1), "loss": l_sum / max(a.ppo_epochs * upd.n_mini, 1),
+        "lr": lr, "grad_norm": float(np.mean(upd.grad_norms)) if upd.grad_norms else None,
+        "applied_steps": upd.applied_steps,
+        **{LOSS_METRIC_NAMES.get(k, k): v / max(m_n, 1) for k, v in zip(LOSS_METRICS, mvals)},
+        **run.counters,
+    })
+    sel = rec["selected_frac"]
+    if a.mode == "clip_cov" and sel == 0 and run.rank == 0 and not run.warned["empty_band"]:
+        run.warned["empty_band"] = True
+        warnings.warn(
+            f"step {run.step}: Clip-Cov selected no token: no selection score fell in the band "
+            f"({a.clip_cov_lb:g}, {a.clip_cov_ub:g}) (cov_score={a.cov_score}: mean {rec['cov_mean']:.3g}, "
+            f"max {rec['cov_max']:.3g} this step); widen algo.clip_cov_lb/clip_cov_ub to the scores' scale "
+            "(said once per run)", stacklevel=1)
+    if sel > 0:  # which tokens Clip-Cov/KL-Cov acted on: advantage sign, probability, covariance
+        rec["sel/tokens_per_update"] = sel * m_n / max(a.ppo_epochs * upd.n_mini, 1)
+        rec["sel/pos_adv_share"] = rec["selected_pos_adv"] / sel
+        rec["sel/mean_prob"] = rec["selected_prob"] / sel
+        rec["sel/mean_cov"] = rec["selected_cov"] / sel
+    if run.lam_sched is not None:
+        run.lam_sched.step(entropy=rec["entropy"])
+    return p_sum + len_sum
 
-        # in a log file (not a terminal) a line every 30 s instead of one per step
-        pbar = tqdm(total=t.max_steps, initial=step, desc=f"train {a.mode}", dynamic_ncols=True,
-                    mininterval=0.1 if sys.stderr.isatty() else 30.0)
-        closing.callback(pbar.close)
 
-    if step == 0 and t.eval_every and val_set:
-        res = evaluate(rollout, val_set, reward_fn, tokenizer, cfg, rank, world, device, 0)
-        log_durably({"step": 0, **res})
+def end_step(run: Run, rec: dict, col: Collected, tokens: float, t_step: float, stop_now: bool) -> None:
+    """Steps 8-9: evaluation, then the checkpoint in two phases around the metrics row. The step's row is
+    on disk before its checkpoint is: a crash in between resumes from the previous checkpoint and trims
+    the row, so no step is lost or logged twice."""
+    t, times, step = run.cfg.trainer, col.times, run.step
+    if t.eval_every and run.val_set and (step % t.eval_every == 0 or step == t.max_steps):
+        t0 = time.perf_counter()
+        rec.update(run.evaluate(step))
+        times["eval"] = time.perf_counter() - t0
+    pending = None
+    if step == t.max_steps or stop_now or (t.save_every and step % t.save_every == 0):
+        t0 = time.perf_counter()
+        pending = write_checkpoint(run.ckpt_root, step, run.engine, run.trainer_state(), run.gens, run.rank)
+        if run.token_adv is not None and run.token_adv.prm is not None and run.rank == 0:
+            run.token_adv.prm.save(pending)  # identical on every rank (averaged gradients)
+        times["save"] = time.perf_counter() - t0
+    dt = time.perf_counter() - t_step
+    rec.update({f"time/{k}": v for k, v in times.items()})
+    rec.update({"time/step": dt, "tokens_per_s": tokens / dt,
+                "tokens_per_s/rollout": all_sum([float(col.n_generated)], run.device)[0] / max(times["rollout"], 1e-9)})
+    run.log_durably(rec)
+    if pending is not None:
+        publish_checkpoint(pending, t.keep_last, run.rank)
+    if run.pbar is not None:
+        run.pbar.set_postfix(reward=f"{rec['reward_mean']:.3f}", H=f"{rec['entropy']:.3f}",
+                             **({"val": f"{rec['val_acc']:.3f}"} if "val_acc" in rec else {}),
+                             refresh=False)  # update() redraws, at most every mininterval
+        run.pbar.update(1)
 
+
+def _train(cfg: Config, resume, stop_at, on_end, closing: contextlib.ExitStack, overwrite: bool = False) -> Path:
+    """The loop: rollouts → rewards → advantages → old log-probs → update → sync → metrics → eval → checkpoint."""
+    run = start_run(cfg, resume, overwrite, closing)
+    t = cfg.trainer
+    run.sync_weights()
+    if run.step == 0 and t.eval_every and run.val_set:
+        run.log_durably({"step": 0, **run.evaluate(0)})
     with _StopFlag() as stop:
-        while step < t.max_steps:
-            step += 1
+        while run.step < t.max_steps:
+            run.step += 1
             t_step = time.perf_counter()
-            rec: dict = {"step": step}
-
-            # ---------------------------------------------------------- 1-3. rollouts, rewards, advantages
-            # (with DAPO's filter: more batches of prompts until prompts_per_step groups are kept)
-            col = collect_rollouts(cfg, step, sampler, train_set, rollout, reward_fn, tokenizer, gens["sample"],
-                                   counters, rank, device, ckpt_root)
-            seqs, times = col.seqs, col.times
-            rec["kept_groups"] = len(col.kept_groups)
-            rec["gen_batches"] = col.gen_batches
-
-            # ---------------------------------------------------------- 4. old log-probs, entropy
-            t0 = time.perf_counter()
-            global_scope = a.scope == "global"  # its first mini-batch's selection reuses these
-            ent_sum, tok_sum, lp_diff = compute_old_logprobs(
-                engine, seqs, cfg, pad_id, device, keep_entropy=global_scope and a.high_entropy_fraction is not None,
-                keep_vocab_cov=global_scope and a.cov_score == "vocab")
-            times["old_logprob"] = time.perf_counter() - t0
-            if token_adv is not None:  # REINFORCE++ with KL penalty, PRIME: token-level advantages
-                t0 = time.perf_counter()
-                rec.update(token_adv.apply(seqs, pad_id, device, batching(cfg, engine)))
-                times["token_rewards"] = time.perf_counter() - t0
-
-            # ---------------------------------------------------------- 5. policy update
-            t0 = time.perf_counter()
-            lam = lam_sched.value if lam_sched is not None else a.pos_adv_weight
-            loss_cfg = loss_config(a, pos_adv_weight=lam)
-            kept_groups = col.kept_groups
-            lr = lr_at(engine.steps, cfg.optim, t.max_steps * a.ppo_epochs * a.mini_batches)
-            upd = update_policy(engine, seqs, kept_groups, cfg, loss_cfg, lr, pad_id, device, gens["select"])
-            if upd.skipped_steps:
-                counters["skipped_steps"] += upd.skipped_steps
-                if rank == 0:
-                    warnings.warn(f"step {step}: non-finite loss or gradient; {upd.skipped_steps} optimizer "
-                                  f"step(s) skipped ({counters['skipped_steps']} so far)", stacklevel=1)
-            times["update"] = time.perf_counter() - t0
-
-            # ---------------------------------------------------------- 6. weight sync
-            t0 = time.perf_counter()
-            sync_weights()
-            times["sync"] = time.perf_counter() - t0
-
-            # ---------------------------------------------------------- 7. metrics
-            resp_lens = [len(x) for x in col.token_ids]
-            n_prompt_tok = sum(len(p) for p in col.prompts)
-            tot = all_sum([sum(col.rewards), len(col.rewards), sum(resp_lens), ent_sum, tok_sum, lp_diff,
-                           n_prompt_tok, float(upd.metric_tokens), upd.loss_sum], device)
-            (r_sum, r_n, len_sum, e_sum, tk_sum, d_sum, p_sum, m_n, l_sum) = tot
-            keys = list(LOSS_METRICS)
-            mvals = all_sum([upd.metric_sums.get(k, 0.0) for k in keys], device)
-            rec.update({
-                "reward_mean": r_sum / max(r_n, 1),
-                "acc_mean": (r_sum / max(r_n, 1)) if cfg.reward.kind == "binary"
-                else (r_sum / max(r_n, 1) + 1) / 2,
-                "entropy": e_sum / max(tk_sum, 1),
-                "response_len": len_sum / max(r_n, 1),
-                "rollout_logprob_diff": d_sum / max(tk_sum, 1),
-                "loss": l_sum / max(a.ppo_epochs * upd.n_mini, 1),
-                "lr": lr,
-                "lambda": lam,
-                "grad_norm": float(np.mean(upd.grad_norms)) if upd.grad_norms else None,
-                "applied_steps": upd.applied_steps,
-                **{LOSS_METRIC_NAMES.get(k, k): v / max(m_n, 1) for k, v in zip(keys, mvals)},
-                **counters,
-            })
-            sel = rec["selected_frac"]
-            if a.mode == "clip_cov" and sel == 0 and rank == 0 and not warned["empty_band"]:
-                warned["empty_band"] = True
-                warnings.warn(
-                    f"step {step}: Clip-Cov selected no token: no selection score fell in the band "
-                    f"({a.clip_cov_lb:g}, {a.clip_cov_ub:g}) (cov_score={a.cov_score}: mean {rec['cov_mean']:.3g}, "
-                    f"max {rec['cov_max']:.3g} this step); widen algo.clip_cov_lb/clip_cov_ub to the scores' scale "
-                    "(said once per run)", stacklevel=1)
-            if sel > 0:  # which tokens Clip-Cov/KL-Cov acted on: advantage sign, probability, covariance
-                rec["sel/tokens_per_update"] = sel * m_n / max(a.ppo_epochs * upd.n_mini, 1)
-                rec["sel/pos_adv_share"] = rec["selected_pos_adv"] / sel
-                rec["sel/mean_prob"] = rec["selected_prob"] / sel
-                rec["sel/mean_cov"] = rec["selected_cov"] / sel
-            if lam_sched is not None:
-                lam_sched.step(entropy=rec["entropy"])
-
-            # ---------------------------------------------------------- 8. evaluation
-            if t.eval_every and val_set and (step % t.eval_every == 0 or step == t.max_steps):
-                t0 = time.perf_counter()
-                rec.update(evaluate(rollout, val_set, reward_fn, tokenizer, cfg, rank, world, device, step))
-                times["eval"] = time.perf_counter() - t0
-
-            # ---------------------------------------------------------- 9. checkpoint, stop
-            # The step's metrics row is on disk before its checkpoint is: a crash in between resumes
-            # from the previous checkpoint and trims the row, so no step is lost or logged twice.
-            stop_now = all_sum([1.0 if stop.set else 0.0], device)[0] > 0 or step == stop_at
-            pending = None
-            if step == t.max_steps or stop_now or (t.save_every and step % t.save_every == 0):
-                t0 = time.perf_counter()
-                pending = write_pending_checkpoint()
-                if token_adv is not None and token_adv.prm is not None and rank == 0:
-                    token_adv.prm.save(pending)  # identical on every rank (averaged gradients)
-                times["save"] = time.perf_counter() - t0
-            dt = time.perf_counter() - t_step
-            rec.update({f"time/{k}": v for k, v in times.items()})
-            rec["time/step"] = dt
-            rec["tokens_per_s"] = (p_sum + len_sum) / dt
-            rec["tokens_per_s/rollout"] = all_sum([float(col.n_generated)], device)[0] / max(times["rollout"], 1e-9)
-            log_durably(rec)
-            if pending is not None:
-                publish_checkpoint(pending, t.keep_last, rank)
-            if pbar is not None:
-                pbar.set_postfix(reward=f"{rec['reward_mean']:.3f}", H=f"{rec['entropy']:.3f}",
-                                 **({"val": f"{rec['val_acc']:.3f}"} if "val_acc" in rec else {}),
-                                 refresh=False)  # update() redraws, at most every mininterval
-                pbar.update(1)
+            # 1-3. rollouts, rewards, advantages (with DAPO's filter: refills until prompts_per_step groups)
+            col = collect_rollouts(cfg, run.step, run.sampler, run.train_set, run.rollout, run.reward_fn,
+                                   run.tokenizer, run.gens["sample"], run.counters, run.rank, run.device,
+                                   run.ckpt_root)
+            rec: dict = {"step": run.step, "kept_groups": len(col.kept_groups), "gen_batches": col.gen_batches}
+            upd, old, lr = score_and_update(run, col, rec)  # 4-6. old log-probs, update, weight sync
+            tokens = step_metrics(run, col, upd, old, lr, rec)  # 7. metrics over all ranks
+            stop_now = all_sum([1.0 if stop.set else 0.0], run.device)[0] > 0 or run.step == stop_at
+            end_step(run, rec, col, tokens, t_step, stop_now)  # 8-9. evaluation, checkpoint, log
             if stop_now:
-                if rank == 0:
-                    print(f"[fastcov] stopped at step {step}; checkpoint saved", flush=True)
+                if run.rank == 0:
+                    print(f"[fastcov] stopped at step {run.step}; checkpoint saved", flush=True)
                 break
-    if pbar is not None:
-        pbar.close()  # before on_end and the export print; closing again is a no-op
+    if run.pbar is not None:
+        run.pbar.close()  # before on_end and the export print; closing again is a no-op
     if on_end is not None:
-        on_end(engine, rollout)
-    if step == t.max_steps:
-        with engine.gathered_model() as model:
-            if rank == 0:
-                export_final(model, tokenizer, run_dir)
-        dist.barrier()
-    return run_dir
+        on_end(run.engine, run.rollout)
+    if run.step == t.max_steps:
+        with run.engine.gathered_model() as model:
+            if run.rank == 0:
+                export_final(model, run.tokenizer, run.run_dir)
+        _dist().barrier()
+    return run.run_dir
 
 
 def export_final(model, tokenizer, run_dir: Path) -> Path:
