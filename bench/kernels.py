@@ -639,8 +639,9 @@ def render_md(doc: dict) -> str:
             f"torch intra-op threads {run.get('threads', env.get('torch_threads'))}; "
             f"host CPU {env.get('host_cpu')} ({env.get('host_cores')} cores)",
             f"- dtype {run['dtype']}, temperature {run['temperature']}, "
-            f"{'timing interleaved in one process per shape, memory in a fresh process per case' if run['isolated'] else 'all cases in one process, one implementation after the other'}; "
-            f"started {run['started']}, wall time {run['wall_s']:.1f} s",
+            + ("timing interleaved in one process per shape, memory in a fresh process per case; "
+               if run["isolated"] else "all cases in one process, one implementation after the other; ")
+            + f"started {run['started']}, wall time {run['wall_s']:.1f} s",
             "",
         ]
         mm = run["matmul"]

@@ -5,7 +5,8 @@
 
 Two batches of the same size: "all-short" (every answer 16 tokens) and "one-long" (one answer 8× longer,
 the rest 16). Answer lengths are forced (eos exactly when a row reaches its length, through hooks
-that both engines share; see ``ForcedLength``), so the comparison is about how the engines spend decode steps, not about what a
+that both engines share; see ``ForcedLength``), so the comparison is about how the engines spend decode
+steps, not about what a
 random model happens to say. Per case (engine × batch): wall seconds, generated tokens, tokens/s, peak
 memory increment; one JSON line per case appended to ``<out>/<device>/rollout-<date>.jsonl`` as it
 finishes, and the ratio one-long ÷ all-short per engine at the end. vLLM is added where it is installed

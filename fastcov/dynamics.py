@@ -298,7 +298,8 @@ class DynamicsConfig:
         for name in ("steps", "group_size", "epochs", "minibatches"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "steps" else 1):
-                raise ValueError(f"{name} must be a {'non-negative' if name == 'steps' else 'positive'} int, got {value!r}")
+                kind = "non-negative" if name == "steps" else "positive"
+                raise ValueError(f"{name} must be a {kind} int, got {value!r}")
         if self.group_size < 2:
             raise ValueError(f"group_size must be at least 2 (GRPO normalises within a group), got {self.group_size}")
         _check_update(self.update)
@@ -453,7 +454,7 @@ def _simulate(problem: TabularProblem, cfg: DynamicsConfig, loss_fn: Callable[..
     schedule = cfg.positive_weight
     t0 = time.perf_counter()
 
-    P, K, n = problem.n_prompts, problem.n_answers, cfg.group_size
+    P, n = problem.n_prompts, cfg.group_size
     N = P * n
     gen = torch.Generator().manual_seed(cfg.seed)  # sampling and mini-batch shuffles
     sel_gen = torch.Generator().manual_seed(cfg.seed + 1)  # Clip-Cov's random picks: a separate stream

@@ -103,7 +103,8 @@ class EntropyLaw:
             lines.append("  hold-out  = none (fit_fraction = 1)")
         else:
             lines.append(f"  hold-out RMSE = {self.holdout_rmse:.6g}   "
-                         f"(fit on the first {self.fit_fraction:g} of steps, predicting the other {self.n_total - self.n_fit})")
+                         f"(fit on the first {self.fit_fraction:g} of steps, "
+                         f"predicting the other {self.n_total - self.n_fit})")
         return "\n".join(lines)
 
     def plot(self, path: str | os.PathLike, *, xlabel: str = "entropy H", ylabel: str = "reward R",

@@ -264,7 +264,8 @@ def format_plan(plan: MemoryPlan) -> str:
     lines += [f"  {name:<40s}{gib(value)}" for name, value in rows]
     verdict = lambda ok: "fits" if ok else "does NOT fit"  # noqa: E731
     peak = max(plan.training_total, plan.rollout_total)
-    lines.append(f"GPU memory {plan.gpu_memory / GIB:.0f} GiB: peak {peak / GIB:.1f} GiB; fused {verdict(plan.fits())}, "
+    lines.append(f"GPU memory {plan.gpu_memory / GIB:.0f} GiB: peak {peak / GIB:.1f} GiB; "
+                 f"fused {verdict(plan.fits())}, "
                  f"naive {verdict(plan.fits(naive=True))}")
     return "\n".join(lines)
 

@@ -103,7 +103,8 @@ def apply_liger(model: nn.Module, required: bool = False) -> bool:
     return True
 
 
-def build_model(mcfg, device: torch.device, dtype: torch.dtype, tokenizer=None, ds_config: dict | None = None) -> nn.Module:
+def build_model(mcfg, device: torch.device, dtype: torch.dtype, tokenizer=None,
+                ds_config: dict | None = None) -> nn.Module:
     """A causal LM (``dtype`` parameters on ``device``): ``from_pretrained(path)`` or fresh from ``arch``.
 
     ``ds_config``: the DeepSpeed config the policy will be trained with. With ZeRO stage 3 the model is

@@ -1,6 +1,7 @@
 """Run a study: several arms (config overrides) from one base config and one start, then one report.
 
-    python -m fastcov.trainer.study configs/studies/jin-reweight.yaml [--out DIR] [--arms a,b] [--seeds 0,1] [KEY=VALUE ...]
+    python -m fastcov.trainer.study configs/studies/jin-reweight.yaml [--out DIR] [--arms a,b] [--seeds 0,1]
+        [KEY=VALUE ...]
 
 A study file (YAML)::
 
@@ -17,7 +18,8 @@ A study file (YAML)::
 ``seeds: [0, 1, 2]`` trains every arm once per seed (``trainer.seed``; run directories ``<out>/<arm>/seed<s>``)
 and reports mean ± 95% confidence intervals across seeds, the gap of each arm to ``grpo`` with its interval,
 the selection diagnostics, the entropy law's 15% holdout on ``grpo`` and ``entropy_bands.png``
-(``trainer/study_report.py``); ``pass_k`` (default 8) picks the pass@k column. ``setup: demo`` runs steps 1-2 of ``make demo`` into ``<out>/data`` and ``<out>/sft`` (``--reuse-sft`` keeps
+(``trainer/study_report.py``); ``pass_k`` (default 8) picks the pass@k column. ``setup: demo`` runs steps
+1-2 of ``make demo`` into ``<out>/data`` and ``<out>/sft`` (``--reuse-sft`` keeps
 an existing warm-start model) and points every arm at them; ``setup: none`` leaves model and data to the
 base config and overrides. Command-line KEY=VALUE overrides apply to every arm, after the study's own.
 Each arm trains with ``--overwrite`` semantics (an earlier run is moved aside, never deleted).
@@ -169,7 +171,7 @@ def _seed_report(study, args, out: Path, base: str, arms, seeds, run_dirs, timin
             "Entropy end: mean of the last 10% of steps. pass@k / mean@k: the last evaluation.", ""]
     if study.get("notes"):
         head += [str(study["notes"]).strip(), ""]
-    body = head + lines + ([f"", f"![entropy across seeds]({plot.name})"] if plot else [])
+    body = head + lines + (["", f"![entropy across seeds]({plot.name})"] if plot else [])
     (out / "report.md").write_text("\n".join(body) + "\n")
     summary.update(seeds=seeds, pass_k=pass_k, wall_s=total,
                    runs={f"{a}/seed{sd}": str(run_dirs[(a, sd)]) for a, sd in run_dirs})

@@ -171,7 +171,9 @@ def study_tables(numbers: dict[str, list[dict[str, Any]]], pass_k: int, baseline
         for k in keys:
             vals = [r[k] for r in runs if r.get(k) is not None]
             stats[k] = mean_ci(vals) if vals else (None, None)
-        ratio = (stats["final_entropy"][0] / (sum(base_end) / len(base_end))) if base_end and sum(base_end) > 0 else None
+        base_mean = sum(base_end) / len(base_end) if base_end else 0.0
+        end = stats["final_entropy"][0]
+        ratio = end / base_mean if base_mean > 0 and end is not None else None
         summary["arms"][arm] = {k: {"mean": m, "ci95": h} for k, (m, h) in stats.items()}
         summary["arms"][arm]["entropy_ratio_to_baseline"] = ratio
         lines.append(f"| {arm} | {len(runs)} | " + " | ".join(
@@ -190,8 +192,9 @@ def study_tables(numbers: dict[str, list[dict[str, Any]]], pass_k: int, baseline
             pgap, phalf = diff_ci(*acc)
             summary["arms"][arm][f"pass@{pass_k}_gap"] = {"mean": pgap, "ci95": phalf}
         if arm == focus or len(numbers) <= 3:
+            verdict = "excludes" if half is not None and abs(gap) > half else "includes"
             lines.append(f"- {arm} − {baseline}, final entropy: {_cell(gap, half)} nats/token "
-                         f"({'the interval excludes 0' if half is not None and abs(gap) > half else 'the interval includes 0'}).")
+                         f"(the interval {verdict} 0).")
     lines += ["", "Which tokens the covariance methods acted on (means over steps and seeds):", "",
               "| arm | tokens per update | share with A > 0 | mean p | mean c_t |", "|---|---:|---:|---:|---:|"]
     for arm, runs in numbers.items():

@@ -8,9 +8,10 @@
 data, policy, rollout engine, resume), ``collect_rollouts`` (steps 1-3, with DAPO's refill),
 ``score_and_update`` (4-6: ``compute_old_logprobs``, ``update_policy``, the weight sync), ``step_metrics``
 (7) and ``end_step`` (8-9: evaluation, checkpoint, the metrics row). A ``Run`` carries the state between
-steps; tests call ``compute_old_logprobs`` and ``update_policy`` with fixed rollouts. In ``algo.scope: global`` (the default) Clip-Cov/KL-Cov select tokens once per mini-batch over
-all ranks (``mini_batch_selection``), so the update does not depend on the micro-batch split or the
-number of ranks. Micro-batches are padded or, with ``trainer.packing``, packed (trainer/batch.py).
+steps; tests call ``compute_old_logprobs`` and ``update_policy`` with fixed rollouts. In
+``algo.scope: global`` (the default) Clip-Cov/KL-Cov select tokens once per mini-batch over all ranks
+(``mini_batch_selection``), so the update does not depend on the micro-batch split or the number of ranks.
+Micro-batches are padded or, with ``trainer.packing``, packed (trainer/batch.py).
 
 ``train(cfg)`` runs in every data-parallel process (one on CPU without a launcher). Every tensor that
 reaches the loss comes from ``fastcov.linear_logprob_entropy`` on the last hidden states: full logits
