@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo study test test-fast test-verl test-vllm-api bench clean
+.PHONY: demo study lint test test-fast test-verl test-vllm-api bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +17,10 @@ $(STAMP): $(PY) pyproject.toml requirements/dev.txt
 
 test: $(STAMP)
 	$(PY) -m pytest -q -ra
+
+# ruff (configured in pyproject.toml); CI runs it before the tests.
+lint: $(STAMP)
+	$(PY) -m ruff check .
 
 # The development loop: everything but the tests marked slow (multi-process and end-to-end runs).
 test-fast: $(STAMP)

@@ -79,9 +79,8 @@ def read_metrics(path: str | Path, x_key: str, y_key: str) -> tuple[list[float],
 
 
 def run(args: argparse.Namespace) -> int:
-    from fastcov.law import fit_entropy_law
-
     from fastcov.cli import UsageError
+    from fastcov.law import fit_entropy_law
 
     prog = "fastcov fit-law"
     if not (math.isfinite(args.fit_fraction) and 0 < args.fit_fraction <= 1):

@@ -26,15 +26,6 @@ TINY = str(ROOT / "configs" / "tiny.yaml")
 TORN_STATE = '{"step": 1,'
 
 
-@pytest.fixture(autouse=True)
-def _restore_the_environment():
-    """In-process training sets MASTER_PORT/RANK/...: later tests that launch their own training
-    processes would inherit that (busy) rendezvous. Put the environment back. (The gloo group stays:
-    DeepSpeed keeps using it in later in-process runs.)"""
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
 
 
 # ------------------------------------------------------------------------------------------ fixtures

@@ -13,22 +13,20 @@ import torch
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from fastcov.trainer.checkpoint import (CheckpointError, latest_checkpoint, list_checkpoints,  # noqa: E402
-                                       move_aside, rng_state, set_rng_state, trim_metrics)
+from fastcov.trainer.checkpoint import (  # noqa: E402
+    CheckpointError,
+    latest_checkpoint,
+    list_checkpoints,
+    move_aside,
+    rng_state,
+    set_rng_state,
+    trim_metrics,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "tiny.yaml"
 
 
-@pytest.fixture(autouse=True)
-def _restore_the_environment():
-    """In-process training sets MASTER_PORT/RANK/...: later tests that launch their own training
-    processes would inherit that (busy) rendezvous. Put the environment back. (The gloo group stays:
-    DeepSpeed keeps using it in later in-process runs.)"""
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
 
 
 def test_rng_state_round_trips_through_weights_only_load(tmp_path):

@@ -5,8 +5,15 @@ import sys
 
 import pytest
 
-from fastcov.trainer.code_tasks import (CodeRewardFn, code_row, extract_code, parse_tests, same_output,
-                                        synthetic_code_tasks, write_code_task)
+from fastcov.trainer.code_tasks import (
+    CodeRewardFn,
+    code_row,
+    extract_code,
+    parse_tests,
+    same_output,
+    synthetic_code_tasks,
+    write_code_task,
+)
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sandbox is Linux-only")

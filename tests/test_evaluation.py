@@ -12,8 +12,14 @@ pytest.importorskip("transformers")
 pytest.importorskip("deepspeed")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from fastcov.metrics import (distinct_answers, distinct_n, expected_calibration_error, brier_score,  # noqa: E402
-                             pass_at_k_table, sequence_confidence)
+from fastcov.metrics import (  # noqa: E402
+    brier_score,
+    distinct_answers,
+    distinct_n,
+    expected_calibration_error,
+    pass_at_k_table,
+    sequence_confidence,
+)
 from fastcov.trainer import train as train_mod  # noqa: E402
 from fastcov.trainer.config import Config  # noqa: E402
 from fastcov.trainer.rollout import RolloutBatch  # noqa: E402

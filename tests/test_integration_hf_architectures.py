@@ -8,7 +8,6 @@ entropy) at fp32 precision. Architectures that cannot be built or run on CPU are
 
 from __future__ import annotations
 
-import copy
 import warnings
 
 import pytest

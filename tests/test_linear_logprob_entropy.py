@@ -451,38 +451,48 @@ def _errors(logprob, entropy, dh, dw, ref):
             "dh": rel(dh, ref["dh"]), "dw": rel(dw, ref["dw"])}
 
 
+def _bf16_case(n, d, v, device, gen):
+    hidden = torch.randn(n, d, generator=gen, device=device).bfloat16()
+    weight = (torch.randn(v, d, generator=gen, device=device) * (3.0 / d ** 0.5)).bfloat16()
+    labels = torch.randint(0, v, (n,), generator=gen, device=device)
+    labels[::7] = IGNORE
+    return hidden, weight, labels, torch.randn(n, generator=gen, device=device), torch.randn(n, generator=gen, device=device)
+
+
+def _float64_truth(hidden, weight, labels, temperature, g, e):
+    """logprob, entropy and the gradients of Σ g·logprob + e·entropy in float64 from the same bf16 values."""
+    h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    ref = reference_logprob_entropy(h64, w64, labels, None, temperature, IGNORE)
+    (ref["logprob"] * g.double() + ref["entropy"] * e.double()).sum().backward()
+    return {"logprob": ref["logprob"].detach(), "entropy": ref["entropy"].detach(), "dh": h64.grad, "dw": w64.grad}
+
+
+def _naive_errors(hidden, weight, labels, temperature, g, e, ref):
+    """The errors of bf16 matmul → fp32 log_softmax → autograd against ``ref``."""
+    valid = labels != IGNORE
+    hn, wn = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    logp_all = torch.log_softmax((hn @ wn.T).float() / temperature, dim=-1)
+    zero = torch.zeros(labels.shape[0], device=labels.device)
+    lp = torch.where(valid, logp_all.gather(-1, labels.clamp(min=0)[:, None])[:, 0], zero)
+    ent = torch.where(valid, -(logp_all.exp() * logp_all).sum(-1), zero)
+    (lp * g + ent * e).sum().backward()
+    return _errors(lp, ent, hn.grad, wn.grad, ref)
+
+
 def test_bf16_is_no_less_exact_than_the_naive_path_at_v_152064():
     """bf16 inputs, V = 152064 (no tile divides it), T = 0.7, ignore rows, and a 4-chunk backward
     (the dW accumulation across chunks is in bf16): the twin's logprob, entropy, dH and dW are at
     least as close to float64 as bf16 matmul → fp32 log_softmax → autograd."""
     n, d, v, temperature = 48, 64, 152064, 0.7
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
-    hidden = torch.randn(n, d, generator=gen).bfloat16()
-    weight = (torch.randn(v, d, generator=gen) * (3.0 / d ** 0.5)).bfloat16()
-    labels = torch.randint(0, v, (n,), generator=gen)
-    labels[::7] = IGNORE
-    g, e = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
-    valid = labels != IGNORE
-
-    h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
-    ref = reference_logprob_entropy(h64, w64, labels, None, temperature, IGNORE)
-    (ref["logprob"] * g.double() + ref["entropy"] * e.double()).sum().backward()
-    ref = {"logprob": ref["logprob"].detach(), "entropy": ref["entropy"].detach(), "dh": h64.grad, "dw": w64.grad}
-
+    hidden, weight, labels, g, e = _bf16_case(n, d, v, "cpu", torch.Generator().manual_seed(torch.seed() % 2**31))
+    ref = _float64_truth(hidden, weight, labels, temperature, g, e)
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     rows_per_chunk = 12  # 4 chunks
     out = linear_logprob_entropy(h, w, labels, temperature=temperature, impl="torch",
                                  workspace_mb=2 * rows_per_chunk * v * 2 / 2**20)
     (out.logprob * g + out.entropy * e).sum().backward()
     fused = _errors(out.logprob, out.entropy, h.grad, w.grad, ref)
-
-    hn, wn = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    logp_all = torch.log_softmax((hn @ wn.T).float() / temperature, dim=-1)
-    lp = torch.where(valid, logp_all.gather(-1, labels.clamp(min=0)[:, None])[:, 0], torch.zeros(n))
-    ent = torch.where(valid, -(logp_all.exp() * logp_all).sum(-1), torch.zeros(n))
-    (lp * g + ent * e).sum().backward()
-    naive = _errors(lp, ent, hn.grad, wn.grad, ref)
-
+    naive = _naive_errors(hidden, weight, labels, temperature, g, e, ref)
     for key in fused:
         assert fused[key] <= naive[key], (key, fused, naive)
 
@@ -499,30 +509,14 @@ def test_triton_bf16_on_gpu_is_no_less_exact_than_naive(monkeypatch, workspace_m
     monkeypatch.setattr(triton_kernels, "POISON", True)
     n, d, v, temperature = 1000, 256, 152064, 0.7
     gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
-    hidden = torch.randn(n, d, generator=gen, device="cuda").bfloat16()
-    weight = (torch.randn(v, d, generator=gen, device="cuda") * (3.0 / d ** 0.5)).bfloat16()
-    labels = torch.randint(0, v, (n,), generator=gen, device="cuda")
-    labels[::7] = IGNORE
-    g, e = torch.randn(n, generator=gen, device="cuda"), torch.randn(n, generator=gen, device="cuda")
-    valid = labels != IGNORE
-
-    h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
-    ref = reference_logprob_entropy(h64, w64, labels, None, temperature, IGNORE)
-    (ref["logprob"] * g.double() + ref["entropy"] * e.double()).sum().backward()
-    ref = {"logprob": ref["logprob"].detach(), "entropy": ref["entropy"].detach(), "dh": h64.grad, "dw": w64.grad}
-
+    hidden, weight, labels, g, e = _bf16_case(n, d, v, "cuda", gen)
+    ref = _float64_truth(hidden, weight, labels, temperature, g, e)
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     out = linear_logprob_entropy(h, w, labels, temperature=temperature, impl="triton", workspace_mb=workspace_mb)
     (out.logprob * g + out.entropy * e).sum().backward()
     fused = _errors(out.logprob, out.entropy, h.grad, w.grad, ref)
+    valid = labels != IGNORE
     assert (out.logprob[valid] <= 0).all() and (out.logprob[~valid] == 0).all()
-
-    hn, wn = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    logp_all = torch.log_softmax((hn @ wn.T).float() / temperature, dim=-1)
-    zero = torch.zeros(n, device="cuda")
-    lp = torch.where(valid, logp_all.gather(-1, labels.clamp(min=0)[:, None])[:, 0], zero)
-    ent = torch.where(valid, -(logp_all.exp() * logp_all).sum(-1), zero)
-    (lp * g + ent * e).sum().backward()
-    naive = _errors(lp, ent, hn.grad, wn.grad, ref)
+    naive = _naive_errors(hidden, weight, labels, temperature, g, e, ref)
     for key in fused:
         assert fused[key] <= naive[key], (key, fused, naive)

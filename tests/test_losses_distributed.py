@@ -12,10 +12,10 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from _dist import free_port as _free_port
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _dist import free_port as _free_port
 
 from fastcov.covariance import token_covariance
 from fastcov.losses import LossConfig, compute_global_selection, policy_loss

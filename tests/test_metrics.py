@@ -7,9 +7,19 @@ import random
 import pytest
 import torch
 
-from fastcov.metrics import (brier_score, calibration_bins, default_ks, distinct_answers, distinct_n,
-                             expected_calibration_error, mean_at_k, pass_at_k, pass_at_k_table,
-                             reliability_plot, sequence_confidence)
+from fastcov.metrics import (
+    brier_score,
+    calibration_bins,
+    default_ks,
+    distinct_answers,
+    distinct_n,
+    expected_calibration_error,
+    mean_at_k,
+    pass_at_k,
+    pass_at_k_table,
+    reliability_plot,
+    sequence_confidence,
+)
 
 
 def brute_pass(samples: list[bool], k: int) -> float:

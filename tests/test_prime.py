@@ -118,5 +118,7 @@ def test_prime_tiny_run_and_resume(tmp_path, monkeypatch):
     cut = cfg("cut")
     train_mod.train(cut, stop_at=1)
     train_mod.train(cut, resume=True)
-    strip = lambda rs: [{k: v for k, v in r.items() if not k.startswith(("time/", "tokens_per_s"))} for r in rs]
+    def strip(rs):
+        return [{k: v for k, v in r.items() if not k.startswith(("time/", "tokens_per_s"))} for r in rs]
+
     assert strip(read_metrics(tmp_path / "cut" / "metrics.jsonl")) == strip(recs)

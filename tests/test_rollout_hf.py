@@ -30,6 +30,13 @@ def tiny_lm(seed=0, vocab=97):
     return model
 
 
+def policy_logprobs(model, prompt, ids):
+    """The model's own log-probs of ``ids`` after ``prompt`` (temperature 1), fp32 [len(ids)]."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids)[:, None])[:, 0]
+
+
 def prompts_of(lengths, seed=1, vocab=97):
     rng = random.Random(seed)
     return [[rng.randrange(4, vocab) for _ in range(n)] for n in lengths]
@@ -68,10 +75,7 @@ def test_greedy_equals_model_generate_while_rows_leave():
         if 3 in ref:
             ref = ref[: ref.index(3) + 1]
         assert ids == ref
-        with torch.no_grad():
-            logits = model(torch.tensor([p + ids])).logits[0, len(p) - 1 : -1].float()
-        want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids)[:, None])[:, 0]
-        torch.testing.assert_close(torch.tensor(lps), want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(torch.tensor(lps), policy_logprobs(model, p, ids), atol=1e-5, rtol=1e-5)
 
 
 def test_sampling_is_reproducible_and_batching_independent_in_distribution():
@@ -83,10 +87,7 @@ def test_sampling_is_reproducible_and_batching_independent_in_distribution():
     assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
     # each sampled token's log-prob is the policy's under temperature 1
     for p, ids, lps in zip(prompts, a.token_ids, a.logprobs):
-        with torch.no_grad():
-            logits = model(torch.tensor([p + ids])).logits[0, len(p) - 1 : -1].float()
-        want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids)[:, None])[:, 0]
-        torch.testing.assert_close(torch.tensor(lps), want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(torch.tensor(lps), policy_logprobs(model, p, ids), atol=1e-5, rtol=1e-5)
 
 
 def test_shared_policy_module_keeps_its_mode_and_gradients():

@@ -191,11 +191,10 @@ def test_sandbox_fusion_backend():
 def test_unprivileged_path_user_namespace():
     """The launcher as a non-root user (CI's case): network, pid and user namespaces, RLIMIT_NPROC counted
     inside the namespace, Landlock. Run here as 'nobody' when the tests run as root."""
+    import stat
     import subprocess
 
     from fastcov.trainer.sandbox import LAUNCHER, _others_can_exec
-
-    import stat
 
     readable = bool(LAUNCHER.stat().st_mode & stat.S_IROTH) and _others_can_exec(str(LAUNCHER.parent))
     if os.geteuid() != 0 or not _others_can_exec("/usr/bin/python3") or not readable:

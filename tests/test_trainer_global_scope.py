@@ -14,9 +14,9 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 from _dist import free_port as _free_port
 from _dist import shutdown_process_group
-import torch
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 pytest.importorskip("deepspeed")

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-
 import pytest
-from _dist import free_port as _free_port
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _dist import free_port as _free_port
 
 from fastcov import linear_logprob_entropy
 

@@ -7,12 +7,22 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 from _dist import free_port as _free_port
 from _dist import shutdown_process_group
-import torch
 
-from fastcov.trainer.weight_sync import (ALIGN, Bucket, BucketMeta, aligned, as_buckets, bucket_bytes_from_mb,
-                                         iter_buckets, iter_named, plan_buckets, unflatten)
+from fastcov.trainer.weight_sync import (
+    ALIGN,
+    Bucket,
+    BucketMeta,
+    aligned,
+    as_buckets,
+    bucket_bytes_from_mb,
+    iter_buckets,
+    iter_named,
+    plan_buckets,
+    unflatten,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -34,23 +34,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import json
+    import math
     import sys
+    from pathlib import Path
 
     import torch
 
+    from fastcov.cli import UsageError, one_line
     from fastcov.trainer.config import Config, ModelConfig
     from fastcov.trainer.data import load_examples
     from fastcov.trainer.engine import pick_device
     from fastcov.trainer.model import build_model, load_tokenizer
     from fastcov.trainer.rewards import RewardFn
     from fastcov.trainer.rollout import HFRolloutEngine
-    from fastcov.trainer.train import evaluate
-
-    import math
-    from pathlib import Path
-
-    from fastcov.cli import UsageError, one_line
-    from fastcov.trainer.train import check_model_source
+    from fastcov.trainer.train import check_model_source, evaluate
 
     if args.k < 1:
         print("fastcov eval: --k must be >= 1", file=sys.stderr)

@@ -253,8 +253,8 @@ class HFRolloutEngine(RolloutEngine):
             mask = torch.cat([mask, torch.ones((rows.numel(), 1), dtype=mask.dtype, device=dev)], dim=1)
         token_ids: list[list[int]] = [[] for _ in range(B)]
         logprobs: list[list[float]] = [[] for _ in range(B)]
-        for r, t, l in steps:
-            for i, tk, lv in zip(r.tolist(), t.tolist(), l.tolist()):
+        for r, t, lp in steps:
+            for i, tk, lv in zip(r.tolist(), t.tolist(), lp.tolist()):
                 token_ids[i].append(tk)
                 logprobs[i].append(lv)
         return finish_rollouts(token_ids, logprobs, self.eos.tolist())

@@ -63,8 +63,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fastcov.trainer.rollout import (RolloutBatch, RolloutEngine, SamplingParams, finish_rollouts,
-                                     split_evenly)
+from fastcov.trainer.rollout import RolloutBatch, RolloutEngine, SamplingParams, finish_rollouts, split_evenly
 from fastcov.trainer.weight_sync import as_buckets, bucket_bytes_from_mb, iter_buckets
 
 SUPPORTED = ">=0.26,<0.34"

@@ -29,8 +29,8 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -39,17 +39,26 @@ from fastcov.advantages import dapo_filter, get_advantage
 from fastcov.cli import one_line
 from fastcov.losses import LossConfig, Selection, compute_global_selection, get_policy_loss, policy_loss
 from fastcov.trainer.batch import MicroBatch, Sequence, micro_batches, sequence_tensors
-from fastcov.trainer.checkpoint import (CheckpointError, check_checkpoint, fsync_path, fsync_tree,
-                                       latest_checkpoint, load_checkpoint, move_aside, publish_checkpoint,
-                                       trim_metrics, write_checkpoint)
+from fastcov.trainer.checkpoint import (
+    CheckpointError,
+    check_checkpoint,
+    fsync_path,
+    fsync_tree,
+    latest_checkpoint,
+    load_checkpoint,
+    move_aside,
+    publish_checkpoint,
+    trim_metrics,
+    write_checkpoint,
+)
 from fastcov.trainer.config import Config, ConfigError, positive_weight_schedule, save_config
 from fastcov.trainer.data import PromptSampler, load_train_val, prepare_data
 from fastcov.trainer.engine import PolicyEngine, ds_config, init_distributed, lr_at, pick_device
 from fastcov.trainer.metrics import MetricsLogger
 from fastcov.trainer.model import PolicyModel, build_model, load_tokenizer, param_dtype, use_liger
 from fastcov.trainer.rewards import REWARD_TASKS, RewardFn  # noqa: F401 - RewardFn: the name tests patch
-from fastcov.trainer.token_rewards import make_token_advantages, prime_keep
 from fastcov.trainer.rollout import SamplingParams, make_rollout_engine
+from fastcov.trainer.token_rewards import make_token_advantages, prime_keep
 
 # policy_loss metrics averaged over the update's tokens; its "entropy" is logged as "update_entropy"
 # ("entropy" is the rollout-token mean of the pre-update policy).
