@@ -198,6 +198,7 @@ def _survive(tmp: Path, n_kills: int, seed: int, reference) -> dict:
     return {"kills": kills, "runs": cycle, "log": log}
 
 
+@pytest.mark.slow  # ~45 s: in make test, not in make test-fast
 def test_three_kills_resume_to_the_same_state(tmp_path, reference):
     res = _survive(tmp_path, 3, seed=0, reference=reference)
     assert res["kills"] == 3, res["log"]

@@ -26,6 +26,7 @@ def test_study_file_carries_the_paper_values():
     assert sched.step(entropy=0.1) == pytest.approx(0.0)  # H < delta: it shrinks, clipped at 0
 
 
+@pytest.mark.slow
 def test_study_runs_three_arms_and_reports(tmp_path):
     pytest.importorskip("deepspeed")
     pytest.importorskip("transformers")
@@ -46,6 +47,7 @@ def test_study_runs_three_arms_and_reports(tmp_path):
                [json.loads(ln) for ln in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()] if "lambda" in r)
 
 
+@pytest.mark.slow
 def test_multi_seed_study_reports_intervals_and_the_law(tmp_path):
     """configs/studies/entropy-control.yaml's arms x 2 seeds at a tiny size: every arm/seed trains, and the
     report carries mean ± CI, the gap to GRPO, the selection table and the law holdout."""

@@ -68,6 +68,7 @@ def _worker(rank, port, out_dir):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 def test_two_ranks_equal_one_process(tmp_path):
     mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)

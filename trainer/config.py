@@ -417,10 +417,7 @@ def _check_registered(cfg: Config) -> None:
             raise ConfigError(f"{key}: unknown {registry.kind} {value!r}{hint}; registered: {names}")
 
 
-def validate(cfg: Config) -> Config:
-    """Range checks that types cannot express; raises ConfigError naming the key."""
-    m, d, r, a, o, t = cfg.model, cfg.data, cfg.rollout, cfg.algo, cfg.optim, cfg.trainer
-    _check_registered(cfg)
+def _validate_model_data(m: ModelConfig, d: DataConfig) -> None:
     _check((m.path is None) != (m.arch is None), "model.path",
            "set exactly one of model.path (pretrained) and model.arch (fresh model)")
     if m.arch is not None:
@@ -437,6 +434,9 @@ def validate(cfg: Config) -> Config:
     _check(s.n_val >= 0, "data.synthetic.n_val", "must be >= 0")
     _check(1 <= s.min_ops <= s.max_ops, "data.synthetic.min_ops", "need 1 <= min_ops <= max_ops")
     _check(s.max_value >= 2, "data.synthetic.max_value", "must be >= 2")
+
+
+def _validate_rollout_reward(r: RolloutConfig, cfg: Config) -> None:
     _check(r.n >= 1, "rollout.n", f"must be >= 1, got {r.n}")
     _check(r.temperature > 0, "rollout.temperature", f"must be > 0, got {r.temperature}")
     _check(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
@@ -458,6 +458,16 @@ def validate(cfg: Config) -> Config:
            "rollout.vllm_server_urls", "only used with rollout.engine=vllm and rollout.vllm_mode=server")
     _check(cfg.reward.timeout_s > 0, "reward.timeout_s", "must be > 0")
     _check(cfg.reward.workers >= 0, "reward.workers", f"must be >= 0 (0 = automatic), got {cfg.reward.workers}")
+    c = cfg.reward.code
+    _check(c.cpu_s > 0 and c.wall_s > 0, "reward.code.cpu_s", "cpu_s and wall_s must be > 0")
+    _check(c.memory_mb >= 32, "reward.code.memory_mb", f"must be >= 32, got {c.memory_mb}")
+    _check(c.nproc >= 1, "reward.code.nproc", f"must be >= 1, got {c.nproc}")
+    _check(c.max_output_kb > 0, "reward.code.max_output_kb", "must be > 0")
+    _check(c.sandbox_fusion_url is None or c.sandbox_fusion_url.startswith(("http://", "https://")),
+           "reward.code.sandbox_fusion_url", "must start with http:// or https://")
+
+
+def _validate_algo(a: AlgoConfig, r: RolloutConfig, t: TrainerConfig) -> None:
     # clip_low = 1 opens the lower clip (ratio >= 0 always), as the paper's Clip-Cov runs do
     _check(0 <= a.clip_low <= 1, "algo.clip_low", f"must be in [0, 1], got {a.clip_low}")
     _check(a.clip_high >= 0, "algo.clip_high", "must be >= 0")
@@ -498,16 +508,12 @@ def validate(cfg: Config) -> Config:
     _check(pr.lr > 0, "algo.prime.lr", f"must be > 0, got {pr.lr}")
     _check(pr.outcome_coef >= 0 and pr.process_coef >= 0, "algo.prime.outcome_coef", "coefficients must be >= 0")
     _check(0 <= pr.acc_low <= pr.acc_high <= 1, "algo.prime.acc_low", "need 0 <= acc_low <= acc_high <= 1")
-    c = cfg.reward.code
-    _check(c.cpu_s > 0 and c.wall_s > 0, "reward.code.cpu_s", "cpu_s and wall_s must be > 0")
-    _check(c.memory_mb >= 32, "reward.code.memory_mb", f"must be >= 32, got {c.memory_mb}")
-    _check(c.nproc >= 1, "reward.code.nproc", f"must be >= 1, got {c.nproc}")
-    _check(c.max_output_kb > 0, "reward.code.max_output_kb", "must be > 0")
-    _check(c.sandbox_fusion_url is None or c.sandbox_fusion_url.startswith(("http://", "https://")),
-           "reward.code.sandbox_fusion_url", "must start with http:// or https://")
     _check(a.max_gen_batches >= 0, "algo.max_gen_batches", f"must be >= 0 (0 = until full), got {a.max_gen_batches}")
     _check(a.max_gen_batches == 1 or a.dapo_filter, "algo.max_gen_batches",
            "refilling only applies to DAPO's filter: set algo.dapo_filter=true (or max_gen_batches 1)")
+
+
+def _validate_optim_trainer(o: OptimConfig, t: TrainerConfig) -> None:
     _check(o.lr > 0, "optim.lr", f"must be > 0, got {o.lr}")
     _check(o.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
     _check(all(0 <= b < 1 for b in o.betas), "optim.betas", "must be in [0, 1)")
@@ -525,6 +531,15 @@ def validate(cfg: Config) -> Config:
     _check(t.eval_k >= 1, "trainer.eval_k", "must be >= 1")
     _check(t.save_every >= 0, "trainer.save_every", "must be >= 0")
     _check(t.keep_last >= 1, "trainer.keep_last", "must be >= 1")
+
+
+def validate(cfg: Config) -> Config:
+    """Range checks that types cannot express, section by section; raises ConfigError naming the key."""
+    _check_registered(cfg)
+    _validate_model_data(cfg.model, cfg.data)
+    _validate_rollout_reward(cfg.rollout, cfg)
+    _validate_algo(cfg.algo, cfg.rollout, cfg.trainer)
+    _validate_optim_trainer(cfg.optim, cfg.trainer)
     return cfg
 
 

@@ -133,7 +133,7 @@ def verdict(summaries: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m fastcov.trainer.demo", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="runs/demo")
     ap.add_argument("--config", default=str(Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"))
@@ -148,6 +148,23 @@ def main(argv: list[str] | None = None) -> int:
                     help="torch CPU threads for the warm-start and the RL runs (trainer.threads); the numbers "
                          "do not depend on the machine's core count (default 1)")
     ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="applied to every RL run")
+    return ap
+
+
+def print_summary(summaries: list[dict]) -> None:
+    """The table `make demo` prints (entropy, validation accuracy, the fitted law) and the verdict."""
+    print("\n[demo] summary")
+    print(f"{'algo':<10} {'entropy first→final':>22} {'val acc init→final':>20} {'fit a, b, R², ceiling':>34}")
+    for s in summaries:
+        law = s["law"]
+        fit = (f"{law.a:.3g}, {law.b:.3g}, {law.r2:.2f}, {law.ceiling:.3f}" if law else "n/a")
+        print(f"{s['name']:<10} {s['first_entropy']:>10.3f} → {s['final_entropy']:<9.3f} "
+              f"{s['initial_val_acc']:>8.3f} → {s['final_val_acc']:<8.3f} {fit:>34}")
+    print(verdict(summaries))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _parser()
     args = ap.parse_args(argv)
 
     import torch
@@ -208,16 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         + ").\n\n" + verdict(summaries)
     )
     report, summaries = write_report(run_dirs, out, "fastcov demo: GRPO vs Clip-Cov vs KL-Cov", pre)
-    print("\n[demo] summary")
-    print(f"{'algo':<10} {'entropy first→final':>22} {'val acc init→final':>20} {'fit a, b, R², ceiling':>34}")
-    for s in summaries:
-        law = s["law"]
-        fit = (f"{law.a:.3g}, {law.b:.3g}, {law.r2:.2f}, {law.ceiling:.3f}" if law else "n/a")
-        fe = s["final_entropy"]
-        fv = s["final_val_acc"]
-        print(f"{s['name']:<10} {s['first_entropy']:>10.3f} → {fe:<9.3f} "
-              f"{s['initial_val_acc']:>8.3f} → {fv:<8.3f} {fit:>34}")
-    print(verdict(summaries))
+    print_summary(summaries)
     print(f"[demo] report: {report}  plots: {out}/entropy.png {out}/val_acc.png {out}/law.png")
     print(f"[demo] wall time {total:.0f}s")
     return 0

@@ -67,7 +67,7 @@ def _resolve(path: str) -> str:
     return str(p if p.is_absolute() or p.exists() else ROOT / p)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m fastcov.trainer.study", description=__doc__.splitlines()[0])
     ap.add_argument("study", help="study YAML (see configs/studies/)")
     ap.add_argument("--out", default=None, help="output directory (default: the study's 'out')")
@@ -78,6 +78,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reuse-sft", action="store_true", help="setup: demo: keep an existing warm-start model")
     ap.add_argument("--seeds", default=None, help="comma-separated seeds, replacing the study's")
     ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="applied to every arm")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _parser()
     args = ap.parse_intermixed_args(argv)
     if not os.environ.get("DS_ACCELERATOR"):
         import torch
