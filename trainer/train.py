@@ -399,7 +399,7 @@ def collect_rollouts(cfg: Config, step: int, sampler, train_set, rollout, reward
     span = local * (limit if limit > 0 else 1_000_000)  # group ids: rank-major, then batch, then prompt
     sampling = SamplingParams(r.temperature, r.top_p, r.max_new_tokens)
     times = {"rollout": 0.0, "reward": 0.0}
-    kept: list[tuple[int, int, int]] = []  # (batch, global prompt index in batch, group id)
+    kept: list[int] = []  # group ids of the kept groups, in generation order
     pending: dict[int, list[Sequence]] = {}
     all_prompts, all_ids, all_rewards = [], [], []
     n_batches = 0
@@ -437,23 +437,24 @@ def collect_rollouts(cfg: Config, step: int, sampler, train_set, rollout, reward
             keep &= prime_keep(rewards, r.n, cfg.reward.kind, a.prime.acc_low, a.prime.acc_high)
         counters["filtered_groups"] += int((~keep).sum())
         batch = n_batches - 1
-        for g in range(t.prompts_per_step):
-            if keep[g]:
-                owner, j = divmod(g, local)
-                kept.append((batch, g, owner * span + batch * local + j))
+
+        def group_id(g: int) -> int:  # global prompt index in this batch -> the group's id
+            owner, j = divmod(g, local)
+            return owner * span + batch * local + j
+
+        kept += [group_id(g) for g in range(t.prompts_per_step) if keep[g]]
         for i in range(len(prompts)):
             g = rank * local + i // r.n
             if keep[g]:
-                gid = rank * span + batch * local + i // r.n
-                pending.setdefault(gid, []).append(Sequence(
-                    prompts[i], out.token_ids[i], out.logprobs[i], gid,
+                pending.setdefault(group_id(g), []).append(Sequence(
+                    prompts[i], out.token_ids[i], out.logprobs[i], group_id(g),
                     reward=local_rewards[i], advantage=float(adv[g, i % r.n])))
         all_prompts += prompts
         all_ids += out.token_ids
         all_rewards += local_rewards
         if len(kept) >= t.prompts_per_step or (limit > 0 and n_batches >= limit):
             break
-    chosen = sorted(gid for _, _, gid in kept[: t.prompts_per_step])
+    chosen = sorted(kept[: t.prompts_per_step])
     seqs = [s for gid in chosen for s in pending.get(gid, [])]
     return Collected(seqs, chosen, all_prompts, all_ids, all_rewards, sum(len(x) for x in all_ids), n_batches, times)
 
