@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from fastcov.trainer import rollout_vllm as rv
-from fastcov.trainer.rollout import SamplingParams, batch_slices, finish_rollouts, split_evenly
+from fastcov.trainer.rollout import SamplingParams, finish_rollouts, split_evenly
 from fastcov.trainer.weight_sync import iter_buckets
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -201,8 +201,6 @@ def test_completion_response_to_batch_and_payload():
 
 
 def test_shared_request_helpers():
-    assert batch_slices(5, 2) == [slice(0, 2), slice(2, 4), slice(4, 5)]
-    assert batch_slices(3, 0) == [slice(0, 3)] and batch_slices(0, 4) == []
     assert [s.stop - s.start for s in split_evenly(7, 3)] == [3, 2, 2]
     assert [s.stop - s.start for s in split_evenly(1, 3)] == [1, 0, 0]
     assert rv.split_group_requests([2, 0, 1], ["a", "b", "c"]) == [["a", "b"], [], ["c"]]

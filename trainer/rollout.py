@@ -10,7 +10,7 @@ group of gathered tensors at a time) or of plain ``(name, tensor)`` pairs, named
 model's ``named_parameters()``/``named_buffers()``. A producer may gather a bucket (or a tensor) just
 before yielding it and release it just after (ZeRO-3), so an engine consumes each item before asking
 for the next. ``rollout.engine: vllm`` lives in ``rollout_vllm`` (imported only when asked for); the
-helpers here (request slicing, eos truncation) are shared by both engines.
+helpers here (splitting requests over ranks, eos truncation) are shared by both engines.
 """
 
 from __future__ import annotations
@@ -54,14 +54,6 @@ class RolloutEngine(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         pass
-
-
-def batch_slices(n: int, size: int) -> list[slice]:
-    """Consecutive slices of at most ``size`` items covering ``range(n)`` (``size`` <= 0: one slice)."""
-    if n <= 0:
-        return []
-    size = size if size > 0 else n
-    return [slice(a, min(a + size, n)) for a in range(0, n, size)]
 
 
 def split_evenly(n: int, parts: int) -> list[slice]:
