@@ -261,19 +261,8 @@ def rollout_copy(config, device: torch.device, dtype: torch.dtype) -> nn.Module:
 
     config = _copy.deepcopy(config)
     config.use_cache = True
-    # The policy's ZeRO-3 loading left transformers' DeepSpeed config set; the copy is a plain,
-    # unpartitioned module, so construct it with that switched off (and restore it after).
-    from transformers.integrations import deepspeed as hf_deepspeed
-
-    ref = hf_deepspeed._hf_deepspeed_config_weak_ref
-    hf_config = ref() if ref is not None else None
-    hf_deepspeed.unset_hf_deepspeed_config()
-    try:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    finally:
-        if hf_config is not None:
-            hf_deepspeed.set_hf_deepspeed_config(hf_config)
+    with torch.device("meta"):  # build_model unsets transformers' ZeRO-3 switch, so this is a plain module
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model = model.to_empty(device=device)
     model.tie_weights()
     return model
