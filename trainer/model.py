@@ -207,7 +207,7 @@ class PolicyModel(nn.Module):
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
         else:
             attention_mask = packed_attention(position_ids, self.lm.config._attn_implementation, self.lm.dtype)
-        hidden = decoder_of(self.lm)(
+        hidden = self.lm.get_decoder()(  # checked once in __init__ (decoder_of), not on every forward
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).last_hidden_state
         head = self.lm.get_output_embeddings()
