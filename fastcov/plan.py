@@ -209,7 +209,8 @@ def plan_recipe(cfg, gpus: int = 8, gpu_memory_gib: float = 80.0, workspace_mb: 
     (weights over its tensor-parallel group and KV cache inside that share) and keeps
     ``VLLM_SLEEP_RESIDUE_GIB`` while the policy trains; the HF engine shares the policy's weights under
     ZeRO 0-2 and keeps its own bf16 copy under ZeRO-3, with a KV cache of ``rollout.token_budget``
-    tokens (or micro_token_budget when that is 0). The policy's resident state (parameters, gradients,
+    tokens (or micro_token_budget when that is 0); with ``rollout.hf_copies: node`` only the first GPU of
+    each node holds it, and the plan is that GPU's (the busiest). The policy's resident state (parameters, gradients,
     optimizer states) stays on the GPU during rollouts.
     """
     t, r = cfg.trainer, cfg.rollout

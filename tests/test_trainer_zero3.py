@@ -1,5 +1,6 @@
-"""Two CPU processes, ZeRO-3, one training step: after the weight sync each rank's rollout engine holds
-exactly the (gathered) policy weights, and the step changed them."""
+"""Two CPU processes, ZeRO-3, one training step and an evaluation: the node's one rollout copy (rank 0's;
+rank 1 holds none) holds exactly the (gathered) policy weights after the weight sync, and the step
+changed them; with rollout.hf_copies=rank each rank holds its own."""
 
 import json
 import os
@@ -16,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+def _worker(rank: int, world: int, port: int, out_dir: str, copies: str) -> None:
     os.environ.update({"DS_ACCELERATOR": "cpu", "RANK": str(rank), "LOCAL_RANK": str(rank),
                        "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                        "OMP_NUM_THREADS": "1"})
@@ -29,7 +30,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     train_mod.RewardFn.__call__ = lambda self, text, truth: float(len(text) % 2)
     cfg = load_config(ROOT / "configs" / "tiny.yaml", [
         f"trainer.run_dir={out_dir}/run", "trainer.zero_stage=3", "trainer.max_steps=1",
-        "trainer.eval_every=0", "reward.sandbox=inline", "algo.mini_batches=1",
+        "trainer.eval_every=1", "reward.sandbox=inline", "algo.mini_batches=1", f"rollout.hf_copies={copies}",
     ])
     initial = {}
     from fastcov.trainer.rollout import HFRolloutEngine
@@ -47,7 +48,13 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     result = {}
 
     def on_end(engine, rollout):
-        own = dict(rollout.model.named_parameters())
+        holder = getattr(rollout, "engine", rollout)  # NodeRolloutEngine: the node's copy, or None
+        result.update(holds_copy=holder is not None)
+        if holder is None:
+            for _ in engine.named_weights():  # the gathers are collectives
+                pass
+            return
+        own = dict(holder.model.named_parameters())
         max_diff, changed, n = 0.0, 0, 0
         for name, full in engine.named_weights():
             if name not in own:
@@ -58,7 +65,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             changed += int(not torch.equal(own[name], initial[name]))
         # the rollout copy was built empty: its buffers (rotary frequencies) must have come with the sync
         policy_buffers = dict(engine.policy.lm.named_buffers())
-        buffers_equal = all(torch.equal(b, policy_buffers[n]) for n, b in rollout.model.named_buffers())
+        buffers_equal = all(torch.equal(b, policy_buffers[n]) for n, b in holder.model.named_buffers())
         local = sum(p.ds_tensor.numel() for p in engine.policy.parameters() if hasattr(p, "ds_tensor"))
         total = sum(p.ds_numel for p in engine.policy.parameters() if hasattr(p, "ds_numel"))
         result.update(max_diff=max_diff, changed=changed, n=n, partitioned=local < total,
@@ -71,15 +78,20 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 
 @pytest.mark.slow
-def test_two_process_zero3_step_syncs_rollout_weights(tmp_path):
+@pytest.mark.parametrize("copies", ["node", "rank"])
+def test_two_process_zero3_step_syncs_rollout_weights(tmp_path, copies):
     import torch.multiprocessing as mp
 
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path), copies), nprocs=2, join=True)
     for rank in range(2):
         res = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert res["holds_copy"] == (copies == "rank" or rank == 0)
+        if not res["holds_copy"]:
+            continue
         assert res["partitioned"], "ZeRO-3 should shard the parameters"
         assert res["n"] > 5
         assert res["max_diff"] == 0.0 and res["buffers_equal"] and not res["shares"]
         assert res["changed"] > 0, "the optimizer step should have changed the weights"
     recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert recs[-1]["step"] == 1 and recs[-1]["applied_steps"] == 1
+    assert 0.0 <= recs[-1]["val_acc"] <= 1.0

@@ -85,6 +85,9 @@ class RolloutConfig:
     # token_budget KV-cache tokens per batch, rows × (longest prompt + max_new_tokens) (0 = no limit).
     batch_size: int = 0
     token_budget: int = 0
+    # HF engine under ZeRO-3 (partitioned policy): node = one bf16 copy per node, on its first rank, which
+    # samples for the whole node; rank = one copy on every rank (each samples its own prompts, in parallel).
+    hf_copies: Literal["node", "rank"] = "node"
     # Weight sync policy -> rollout engine in buckets of this many MiB (any engine; 0 = per tensor).
     sync_bucket_mb: float = 64.0
     # vLLM only. colocated: a vLLM engine inside the training job sharing its GPUs (sleep/wake_up);

@@ -252,6 +252,79 @@ class HFRolloutEngine(RolloutEngine):
         return finish_rollouts(token_ids, logprobs, self.eos.tolist())
 
 
+def node_group(rank: int, world: int):
+    """(process group, ranks) of the ranks on this node, from every rank's host name (or the
+    ``FASTCOV_NODE`` environment variable where set). Every rank must call it: it creates one
+    group per node, in the same order everywhere."""
+    import os
+    import socket
+
+    import torch.distributed as dist
+
+    hosts: list = [None] * world
+    dist.all_gather_object(hosts, os.environ.get("FASTCOV_NODE") or socket.gethostname())
+    mine = None
+    for host in dict.fromkeys(hosts):
+        ranks = [r for r, h in enumerate(hosts) if h == host]
+        group = dist.new_group(ranks)
+        if hosts[rank] == host:
+            mine = (group, ranks)
+    return mine
+
+
+class NodeRolloutEngine(RolloutEngine):
+    """One HF rollout copy per node: the node's first rank holds ``engine`` and samples for every rank
+    of the node; the others hold nothing (``engine`` None).
+
+    ``generate`` is a collective over the node's ranks: each rank passes its own prompts (possibly
+    none), they are gathered to the node's first rank, sampled there in one call (one generator: the
+    first rank's) and each rank gets back the responses to its own prompts, with that call's
+    ``last_stats``. Every rank of a node must call ``generate`` the same number of times.
+    ``update_weights``: every rank walks the iterable to its end (a ZeRO-3 producer gathers on all
+    ranks), only the holder copies.
+    """
+
+    def __init__(self, engine: HFRolloutEngine | None, group, ranks: list[int], device: torch.device):
+        self.engine = engine
+        self.group = group
+        self.ranks = list(ranks)
+        self.device = device
+        self.shares_policy = False
+        self.last_stats: dict[str, float] = {}
+
+    @property
+    def holds_copy(self) -> bool:
+        return self.engine is not None
+
+    def update_weights(self, named_tensors: Iterable) -> None:
+        if self.engine is not None:
+            self.engine.update_weights(named_tensors)
+        else:
+            for _ in iter_named(named_tensors):
+                pass
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams,
+                 generator: torch.Generator | None = None) -> RolloutBatch:
+        import torch.distributed as dist
+
+        leader = self.ranks[0]
+        gathered: list | None = [None] * len(self.ranks) if self.engine is not None else None
+        dist.gather_object([list(map(int, p)) for p in prompts], gathered, dst=leader, group=self.group)
+        pieces: list | None = None
+        if self.engine is not None:
+            flat = [p for part in gathered for p in part]
+            out = self.engine.generate(flat, sampling, generator)
+            pieces, start = [], 0
+            for part in gathered:
+                end = start + len(part)
+                pieces.append((out.token_ids[start:end], out.logprobs[start:end], dict(self.engine.last_stats)))
+                start = end
+        mine: list = [None]
+        dist.scatter_object_list(mine, pieces, src=leader, group=self.group)
+        token_ids, logprobs, self.last_stats = mine[0]
+        return RolloutBatch(token_ids, logprobs)
+
+
 def rollout_copy(config, device: torch.device, dtype: torch.dtype) -> nn.Module:
     """An empty causal LM of ``config`` (no random init, no copy of anyone's weights) on ``device`` in
     ``dtype``; its parameters and buffers are filled by the first ``update_weights``."""
@@ -274,8 +347,10 @@ def make_rollout_engine(cfg, model: nn.Module, tokenizer, *, device: torch.devic
 
     ``model``: the policy's Hugging Face causal LM as DeepSpeed holds it (``PolicyEngine.policy.lm``).
     With ZeRO 0-2 the HF engine samples from that very module (no copy); with ZeRO-3, whose
-    parameters are partitioned, from one empty copy per rank built from its config (bf16 on a GPU
-    unless ``model.dtype: fp32``, else fp32) and filled by the weight sync. The vLLM engines take its
+    parameters are partitioned, from an empty copy built from its config (bf16 on a GPU unless
+    ``model.dtype: fp32``, else fp32) and filled by the weight sync: one per node, held by the node's
+    first rank, which samples for all of the node's ranks (``rollout.hf_copies: node``,
+    ``NodeRolloutEngine``), or one per rank (``rank``: faster, every GPU pays for it). The vLLM engines take its
     config (the weights arrive with the first ``update_weights``).
     ``tokenizer``: its eos/pad ids. ``rank``/``world``: this process in the data-parallel training group.
     """
@@ -287,8 +362,16 @@ def make_rollout_engine(cfg, model: nn.Module, tokenizer, *, device: torch.devic
             return HFRolloutEngine(model, eos_ids, tokenizer.pad_token_id, r.batch_size, r.token_budget,
                                    shares_policy=True)
         use_bf16 = device.type == "cuda" and cfg.model.dtype != "fp32"
-        lm = rollout_copy(model.config, device, torch.bfloat16 if use_bf16 else torch.float32)
-        return HFRolloutEngine(lm, eos_ids, tokenizer.pad_token_id, r.batch_size, r.token_budget)
+        dtype = torch.bfloat16 if use_bf16 else torch.float32
+        if r.hf_copies == "rank" or world == 1:
+            lm = rollout_copy(model.config, device, dtype)
+            return HFRolloutEngine(lm, eos_ids, tokenizer.pad_token_id, r.batch_size, r.token_budget)
+        group, ranks = node_group(rank, world)
+        engine = None
+        if rank == ranks[0]:
+            engine = HFRolloutEngine(rollout_copy(model.config, device, dtype), eos_ids, tokenizer.pad_token_id,
+                                     r.batch_size, r.token_budget)
+        return NodeRolloutEngine(engine, group, ranks, device)
     if r.engine == "vllm":
         from fastcov.trainer.rollout_vllm import make_vllm_engine
 

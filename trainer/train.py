@@ -483,9 +483,13 @@ def evaluate(rollout, val_set, reward_fn, tokenizer, cfg: Config, rank: int, wor
     per_source = {s: [0.0, 0.0] for s in sources}
     by_mode: dict[tuple[float, bool], list] = {}
     extra = EvalStats(k, answer_fn_for(getattr(cfg.reward, "task", "math")))
+    mode_of = {}
+    for s in sources:  # every rank walks the same modes: an engine shared by ranks generates collectively
+        sp, sampled = eval_sampling(s, t, max_new)
+        mode_of[s] = (sp.temperature, sampled)
+        by_mode.setdefault(mode_of[s], [])
     for ex in mine:
-        sp, sampled = eval_sampling(ex.data_source, t, max_new)
-        by_mode.setdefault((sp.temperature, sampled), []).append(ex)
+        by_mode[mode_of[ex.data_source]].append(ex)
     for (temp, sampled), exs in sorted(by_mode.items()):
         reps = k if sampled else 1  # greedy decoding gives k identical samples
         prompts = [e.prompt_ids for e in exs for _ in range(reps)]
@@ -657,7 +661,7 @@ def _build(cfg: Config, device: torch.device, rank: int, world: int, tokenizer, 
     # taken before DeepSpeed wraps (and under ZeRO-3 shards) the policy
     token_adv = make_token_advantages(cfg, lm)
     engine = PolicyEngine(PolicyModel(lm), cfg, device, world)
-    # the HF engine samples from the policy's own module (ZeRO 0-2) or an empty per-rank copy (ZeRO-3)
+    # the HF engine samples from the policy's own module (ZeRO 0-2) or one empty copy per node (ZeRO-3)
     rollout = make_rollout_engine(cfg, engine.policy.lm, tokenizer, device=device, rank=rank, world=world,
                                   zero_stage=cfg.trainer.zero_stage)
     reward_fn = REWARD_TASKS.get(cfg.reward.task)(cfg.reward)  # math: \boxed{} answers; code: a sandbox
