@@ -28,6 +28,7 @@ import datetime as _dt
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -165,7 +166,29 @@ def run_impl(impl, hidden, weight, bias, labels, temperature, up_g, up_e):
     return lp.detach(), ent.detach(), dh, dw, db, secs
 
 
-def main(argv=None) -> int:
+@dataclass
+class Case:
+    """One case: its bf16 inputs, the hidden / vocabulary rows whose gradients are compared, and the
+    float64 reference (logprob, entropy, dL/dhidden[rows], dL/dweight[cols], dL/dbias)."""
+
+    temperature: float
+    with_bias: bool
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    labels: torch.Tensor
+    bias: torch.Tensor | None
+    up_g: torch.Tensor
+    up_e: torch.Tensor
+    rows: torch.Tensor
+    cols: torch.Tensor
+    ref: tuple
+
+    @property
+    def bias_name(self) -> str | None:
+        return "all-negative" if self.with_bias else None
+
+
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.correctness_gpu", description=__doc__.split("\n\n")[0])
     p.add_argument("--n", type=int, default=4096)
     p.add_argument("--d", type=int, default=3584)
@@ -182,98 +205,132 @@ def main(argv=None) -> int:
     p.add_argument("--chunk", type=int, default=512, help="tokens per float64 reference chunk")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench/results", help="folder for the JSON (default bench/results)")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
 
+
+def check_environment(impls) -> None:
+    """Exit 2 with a message unless there is a CUDA device and, for fastcov impls, fastcov imports."""
     if not torch.cuda.is_available():
         die("needs a CUDA device (bf16 Triton kernels at Qwen2.5-7B shapes) and torch.cuda.is_available() "
             f"is False here (torch {torch.__version__}). Run it on a GPU machine; on CPU, "
             "`python -m pytest tests/` covers the torch and interpreted Triton paths.")
-    if any(i != "naive" for i in args.impls):
+    if any(i != "naive" for i in impls):
         try:
             import fastcov  # noqa: F401
             from fastcov import linear_logprob_entropy  # noqa: F401
         except ImportError as exc:
             die(f"cannot import fastcov.linear_logprob_entropy: {exc}")
-    device = torch.device("cuda")
-    dtype = getattr(torch, args.dtype)
+
+
+def report_header(args, argv, name: str) -> dict:
     try:
         import triton
 
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
-    name = torch.cuda.get_device_name(device)
-    report = {"device": name, "torch": torch.__version__, "triton": triton_version, "cuda": torch.version.cuda,
-              "shape": {"n": args.n, "d": args.d, "v": args.v, "dtype": args.dtype},
-              "command": "python -m bench.correctness_gpu " + " ".join(sys.argv[1:] if argv is None else argv),
-              "tolerances": TOLERANCES, "cases": []}
-    ok_all = True
-    cases = [(t, False) for t in args.temperatures]
-    if not args.no_bias_case:
-        cases.append((args.temperatures[-1], True))
-    print(f"{name}: N={args.n} D={args.d} V={args.v} {args.dtype}; impls {args.impls}")
-    for ci, (temperature, with_bias) in enumerate(cases):
-        hidden, weight, labels, bias, up_g, up_e = make_case(
-            args.n, args.d, args.v, dtype, args.seed + ci, with_bias, args.ignore_frac, args.peaked_rows, device)
-        rows, cols = pick_subsets(labels, args.v, args.rows, args.vocab_rows, args.peaked_rows, args.seed, device)
-        t0 = time.perf_counter()
-        ref_lp, ref_ent, ref_dh, ref_dw, ref_db = reference(
-            hidden, weight, bias, labels, temperature, up_g, up_e, rows, cols, args.chunk)
-        torch.cuda.synchronize()
-        print(f"case T={temperature} bias={'all-negative' if with_bias else 'none'}: float64 reference "
-              f"in {time.perf_counter() - t0:.1f} s ({rows.numel()} hidden rows, {cols.numel()} vocab rows)")
-        valid = labels != IGNORE
-        for impl in args.impls:
-            entry = {"impl": impl, "temperature": temperature, "bias": "all-negative" if with_bias else None,
-                     "baseline_only": impl == "naive"}
-            try:
-                lp, ent, dh, dw, db, secs = run_impl(impl, hidden, weight, bias, labels, temperature, up_g, up_e)
-            except torch.OutOfMemoryError as exc:
-                entry.update(status="OOM", reason=str(exc).splitlines()[0])
-                report["cases"].append(entry)
-                print(f"  {impl:<7} OOM")
-                torch.cuda.empty_cache()
-                continue
-            m = {"logprob": errors(lp, ref_lp), "entropy": errors(ent, ref_ent),
-                 "dhidden": errors(dh[rows], ref_dh), "dweight": errors(dw[cols], ref_dw)}
-            if db is not None:
-                m["dbias"] = errors(db, ref_db)
-            inv = {
-                "logprob_max_valid": lp[valid].max().item(),
-                "logprob_le_0": bool((lp[valid] <= 0).all()),
-                "finite": bool(torch.isfinite(lp).all() and torch.isfinite(ent).all()
-                               and torch.isfinite(dh).all() and torch.isfinite(dw).all()),
-                "ignored_rows_zero": bool((lp[~valid] == 0).all() and (ent[~valid] == 0).all()
-                                          and (dh[~valid] == 0).all()),
-            }
-            fails = []
-            if impl != "naive":
-                for key, tol in TOLERANCES.items():
-                    q, stat = key.rsplit("_max_", 1)
-                    if q in m and not m[q][f"max_{stat}"] <= tol:
-                        fails.append(f"{key} {m[q][f'max_{stat}']:.2e} > {tol:.0e}")
-                fails += [k for k in ("logprob_le_0", "finite", "ignored_rows_zero") if not inv[k]]
-            entry.update(status="ok", seconds_fwd_bwd=secs, errors=m, invariants=inv,
-                         passed=not fails if impl != "naive" else None, failures=fails)
-            ok_all = ok_all and not fails
-            report["cases"].append(entry)
-            verdict = "baseline" if impl == "naive" else ("PASS" if not fails else "FAIL: " + "; ".join(fails))
-            print(f"  {impl:<7} logp {m['logprob']['max_abs']:.2e}  H {m['entropy']['max_abs']:.2e}  "
-                  f"dh rel {m['dhidden']['max_rel']:.2e}  dW rel {m['dweight']['max_rel']:.2e}"
-                  + (f"  db rel {m['dbias']['max_rel']:.2e}" if "dbias" in m else "")
-                  + f"  max logp {inv['logprob_max_valid']:.2e}  ({secs:.2f} s)  {verdict}")
-            del lp, ent, dh, dw, db
-            torch.cuda.empty_cache()
-        del hidden, weight, labels, bias, up_g, up_e, ref_lp, ref_ent, ref_dh, ref_dw, ref_db
+    return {"device": name, "torch": torch.__version__, "triton": triton_version, "cuda": torch.version.cuda,
+            "shape": {"n": args.n, "d": args.d, "v": args.v, "dtype": args.dtype},
+            "command": "python -m bench.correctness_gpu " + " ".join(sys.argv[1:] if argv is None else argv),
+            "tolerances": TOLERANCES, "cases": []}
+
+
+def build_case(args, ci: int, temperature: float, with_bias: bool, dtype, device) -> Case:
+    """Case number ``ci``'s inputs and its float64 reference (timed and printed)."""
+    hidden, weight, labels, bias, up_g, up_e = make_case(
+        args.n, args.d, args.v, dtype, args.seed + ci, with_bias, args.ignore_frac, args.peaked_rows, device)
+    rows, cols = pick_subsets(labels, args.v, args.rows, args.vocab_rows, args.peaked_rows, args.seed, device)
+    t0 = time.perf_counter()
+    ref = reference(hidden, weight, bias, labels, temperature, up_g, up_e, rows, cols, args.chunk)
+    torch.cuda.synchronize()
+    print(f"case T={temperature} bias={'all-negative' if with_bias else 'none'}: float64 reference "
+          f"in {time.perf_counter() - t0:.1f} s ({rows.numel()} hidden rows, {cols.numel()} vocab rows)")
+    return Case(temperature, with_bias, hidden, weight, labels, bias, up_g, up_e, rows, cols, ref)
+
+
+def invariants(lp, ent, dh, dw, valid) -> dict:
+    return {
+        "logprob_max_valid": lp[valid].max().item(),
+        "logprob_le_0": bool((lp[valid] <= 0).all()),
+        "finite": bool(torch.isfinite(lp).all() and torch.isfinite(ent).all()
+                       and torch.isfinite(dh).all() and torch.isfinite(dw).all()),
+        "ignored_rows_zero": bool((lp[~valid] == 0).all() and (ent[~valid] == 0).all()
+                                  and (dh[~valid] == 0).all()),
+    }
+
+
+def failures(m: dict, inv: dict) -> list[str]:
+    """The tolerances and invariants a fastcov implementation misses."""
+    fails = []
+    for key, tol in TOLERANCES.items():
+        q, stat = key.rsplit("_max_", 1)
+        if q in m and not m[q][f"max_{stat}"] <= tol:
+            fails.append(f"{key} {m[q][f'max_{stat}']:.2e} > {tol:.0e}")
+    return fails + [k for k in ("logprob_le_0", "finite", "ignored_rows_zero") if not inv[k]]
+
+
+def check_impl(impl: str, case: Case) -> dict:
+    """Run ``impl`` on the case, compare it with the reference and print one line: the report's entry."""
+    entry = {"impl": impl, "temperature": case.temperature, "bias": case.bias_name,
+             "baseline_only": impl == "naive"}
+    try:
+        lp, ent, dh, dw, db, secs = run_impl(impl, case.hidden, case.weight, case.bias, case.labels,
+                                             case.temperature, case.up_g, case.up_e)
+    except torch.OutOfMemoryError as exc:
+        entry.update(status="OOM", reason=str(exc).splitlines()[0])
+        print(f"  {impl:<7} OOM")
         torch.cuda.empty_cache()
-    report["passed"] = ok_all
-    out = Path(args.out)
+        return entry
+    ref_lp, ref_ent, ref_dh, ref_dw, ref_db = case.ref
+    m = {"logprob": errors(lp, ref_lp), "entropy": errors(ent, ref_ent),
+         "dhidden": errors(dh[case.rows], ref_dh), "dweight": errors(dw[case.cols], ref_dw)}
+    if db is not None:
+        m["dbias"] = errors(db, ref_db)
+    inv = invariants(lp, ent, dh, dw, case.labels != IGNORE)
+    fails = failures(m, inv) if impl != "naive" else []
+    entry.update(status="ok", seconds_fwd_bwd=secs, errors=m, invariants=inv,
+                 passed=not fails if impl != "naive" else None, failures=fails)
+    verdict = "baseline" if impl == "naive" else ("PASS" if not fails else "FAIL: " + "; ".join(fails))
+    print(f"  {impl:<7} logp {m['logprob']['max_abs']:.2e}  H {m['entropy']['max_abs']:.2e}  "
+          f"dh rel {m['dhidden']['max_rel']:.2e}  dW rel {m['dweight']['max_rel']:.2e}"
+          + (f"  db rel {m['dbias']['max_rel']:.2e}" if "dbias" in m else "")
+          + f"  max logp {inv['logprob_max_valid']:.2e}  ({secs:.2f} s)  {verdict}")
+    return entry
+
+
+def write_report(report: dict, out: Path, name: str) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     slug = "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")
     while "--" in slug:
         slug = slug.replace("--", "-")
     path = out / f"correctness-{slug}-{_dt.date.today().isoformat()}.json"
     path.write_text(json.dumps(report, indent=1) + "\n")
+    return path
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    check_environment(args.impls)
+    device = torch.device("cuda")
+    dtype = getattr(torch, args.dtype)
+    name = torch.cuda.get_device_name(device)
+    report = report_header(args, argv, name)
+    ok_all = True
+    cases = [(t, False) for t in args.temperatures]
+    if not args.no_bias_case:
+        cases.append((args.temperatures[-1], True))
+    print(f"{name}: N={args.n} D={args.d} V={args.v} {args.dtype}; impls {args.impls}")
+    for ci, (temperature, with_bias) in enumerate(cases):
+        case = build_case(args, ci, temperature, with_bias, dtype, device)
+        for impl in args.impls:
+            entry = check_impl(impl, case)
+            report["cases"].append(entry)
+            ok_all = ok_all and not entry.get("failures")
+            torch.cuda.empty_cache()  # check_impl's outputs are gone with it
+        del case
+        torch.cuda.empty_cache()
+    report["passed"] = ok_all
+    path = write_report(report, Path(args.out), name)
     print(f"{'PASS' if ok_all else 'FAIL'}; wrote {path}")
     return 0 if ok_all else 1
 

@@ -23,7 +23,7 @@ fp32 log-softmax); the policy reference runs the same bf16 weights with fastcov'
 accumulation). Per token |vLLM - policy| <= ATOL_MAX, mean <= ATOL_MEAN (nats). The check against the fp32
 policy is reported, not asserted.
 
-Last line printed: one JSON object (also written to <out>/vllm-smoke.json). Exit 0 when every check passed.
+Last line printed: one JSON object (also written to <out>/vllm-smoke-<size>.json). Exit 0 when every check passed.
 """
 
 from __future__ import annotations
@@ -36,8 +36,10 @@ import socket
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace as NS
+from typing import Any
 
 ATOL_MAX = 0.1  # nats, any token
 ATOL_MEAN = 0.02  # nats, mean over tokens
@@ -154,11 +156,165 @@ def bf16_copy(lm):
     return ref
 
 
-def run(size: str = "tiny", bucket_mb: float = 64.0, gpu_util: float = 0.3, out: Path | None = None) -> dict:
+@dataclass
+class Smoke:
+    """What the steps of ``run`` share: the policy, the engine, the weight stream from one to the other,
+    and the result being filled in."""
+
+    dev: Any  # torch.device
+    lm: Any  # the fp32 policy (transformers' Qwen2ForCausalLM)
+    eng: Any  # the colocated vLLM engine (make_vllm_engine)
+    named: list  # the policy's (name, tensor) pairs, parameters then buffers
+    cap: int  # bucket size in bytes
+    res: dict
+
+    def sync(self) -> float:
+        """One weight sync policy -> engine, timed to the end of its GPU work (seconds)."""
+        import torch
+
+        from fastcov.trainer.weight_sync import iter_buckets
+
+        t0 = time.perf_counter()
+        self.eng.update_weights(iter_buckets(self.named, self.cap))
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    def check_parity(self, name: str, stats: dict) -> None:
+        self.res["checks"][name] = stats["max"] <= ATOL_MAX and stats["mean"] <= ATOL_MEAN
+
+
+def start_engine(lm, run_dir: str, bucket_mb: float, gpu_util: float, dev, res: dict) -> Smoke:
+    """Build the engine (timed) and record its version and the GPU memory it leaves free asleep."""
+    import torch
+
+    from fastcov.trainer.weight_sync import bucket_bytes_from_mb
+
+    named = list(lm.named_parameters()) + list(lm.named_buffers())
+    free0 = torch.cuda.mem_get_info()[0]
+    t0 = time.perf_counter()
+    eng = make_engine(lm, run_dir, bucket_mb, gpu_util, dev)
+    import vllm
+
+    res["vllm"] = vllm.__version__
+    res["engine_build_s"] = time.perf_counter() - t0
+    res["sleep_level"] = eng.sleep_level
+    res["gpu_free_gib_after_build_and_sleep"] = torch.cuda.mem_get_info()[0] / 2**30
+    res["gpu_free_gib_before_build"] = free0 / 2**30
+    return Smoke(dev, lm, eng, named, bucket_bytes_from_mb(bucket_mb), res)
+
+
+def first_syncs(s: Smoke, n: int) -> None:
+    """Step 1: n timed syncs (the last one is the steady state) and their throughput."""
+    import torch
+
+    torch.cuda.synchronize()
+    syncs = [s.sync() for _ in range(n)]
+    s.res["sync_s"] = syncs
+    s.res["sync_gib"] = s.eng.stats["sync_bytes"] / 2**30
+    s.res["sync_gib_per_s"] = s.res["sync_gib"] / syncs[-1]
+
+
+def check_7b(s: Smoke, syncs: int) -> None:
+    """--size 7b: the sync time target and the GPU memory left free by a sleeping engine."""
+    import torch
+
+    first_syncs(s, syncs)
+    s.res["checks"]["sync_7b_le_2s"] = s.res["sync_s"][-1] <= 2.0
+    s.eng._wake(["kv_cache"])
+    s.eng._sleep()
+    s.res["gpu_free_gib_asleep"] = torch.cuda.mem_get_info()[0] / 2**30
+
+
+def generate_and_compare(s: Smoke, prompts, g):
+    """Step 2: generate, then vLLM's sampled-token log-probs against the policy's (bf16 and fp32 weights).
+    Returns the batch and the fp32 policy's log-probs of its tokens."""
     import torch
 
     from fastcov.trainer.rollout import SamplingParams
-    from fastcov.trainer.weight_sync import bucket_bytes_from_mb, iter_buckets
+
+    t0 = time.perf_counter()
+    free_before = torch.cuda.mem_get_info()[0]
+    b1 = s.eng.generate(prompts, SamplingParams(1.0, 1.0, NEW_TOKENS), g)
+    s.res["generate_s"] = time.perf_counter() - t0
+    s.res["gpu_free_gib_asleep"] = torch.cuda.mem_get_info()[0] / 2**30
+    s.res["gpu_freed_by_sleep_gib"] = (torch.cuda.mem_get_info()[0] - free_before) / 2**30
+    s.res["engine_stats"] = dict(s.eng.stats)
+    ref16 = bf16_copy(s.lm)
+    with torch.no_grad():
+        pol16 = policy_logprobs(ref16, prompts, b1.token_ids)
+        pol32 = policy_logprobs(s.lm, prompts, b1.token_ids)
+    s.res["parity_before"] = {"vs_bf16_policy": diff_stats(b1.logprobs, pol16),
+                              "vs_fp32_policy": diff_stats(b1.logprobs, pol32)}
+    s.check_parity("parity_before", s.res["parity_before"]["vs_bf16_policy"])
+    return b1, pol32
+
+
+def step_policy(lm, prompts, responses) -> None:
+    """One optimizer step that makes the given response tokens likelier."""
+    import torch
+
+    opt = torch.optim.AdamW(lm.parameters(), lr=3e-3, weight_decay=0.0)
+    lp = policy_logprobs(lm, prompts, responses)
+    loss = -torch.cat(lp).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def check_after_step(s: Smoke, prompts, b1, pol32) -> None:
+    """Steps 3 and 4: one policy step, a timed sync, and vLLM's scores of the same tokens: they moved as
+    the policy's did and match the new policy."""
+    import torch
+
+    step_policy(s.lm, prompts, b1.token_ids)
+    with torch.no_grad():
+        pol_new32 = policy_logprobs(s.lm, prompts, b1.token_ids)
+        pol_new16 = policy_logprobs(bf16_copy(s.lm), prompts, b1.token_ids)
+    s.res["sync2_s"] = s.sync()
+    v_new = vllm_score(s.eng, prompts, b1.token_ids)
+    d_pol = torch.cat([a.cpu().double() - b.cpu().double() for a, b in zip(pol_new32, pol32)])
+    d_vllm = torch.cat([torch.tensor(a, dtype=torch.float64) - torch.tensor(b, dtype=torch.float64)
+                        for a, b in zip(v_new, b1.logprobs)])
+    corr = float(torch.corrcoef(torch.stack([d_pol, d_vllm]))[0, 1])
+    s.res["after_step"] = {"policy_mean_change": float(d_pol.mean()), "vllm_mean_change": float(d_vllm.mean()),
+                           "corr_of_changes": corr, "vs_new_bf16_policy": diff_stats(v_new, pol_new16),
+                           "vs_new_fp32_policy": diff_stats(v_new, pol_new32)}
+    s.res["checks"]["logprobs_changed"] = float(d_vllm.abs().mean()) > 5 * ATOL_MEAN
+    s.res["checks"]["changed_as_policy"] = corr > 0.9
+    s.check_parity("parity_after_sync", s.res["after_step"]["vs_new_bf16_policy"])
+
+
+def generate_after_sync(s: Smoke, prompts, g, b1) -> None:
+    """Step 5: generate with the synced weights; parity once more, and both batches' lengths."""
+    import torch
+
+    from fastcov.trainer.rollout import SamplingParams
+
+    t0 = time.perf_counter()
+    b2 = s.eng.generate(prompts, SamplingParams(1.0, 1.0, NEW_TOKENS), g)
+    s.res["generate2_s"] = time.perf_counter() - t0
+    with torch.no_grad():
+        pol2 = policy_logprobs(bf16_copy(s.lm), prompts, b2.token_ids)
+    p = diff_stats(b2.logprobs, pol2)
+    s.res["parity_generate_after_sync"] = p
+    s.check_parity("parity_generate_after_sync", p)
+    s.res["checks"]["lengths"] = all(0 < len(t) <= NEW_TOKENS for t in b1.token_ids + b2.token_ids)
+
+
+def check_tiny(s: Smoke) -> None:
+    """--size tiny: steps 1 to 5."""
+    import torch
+
+    first_syncs(s, 1)
+    g = torch.Generator(device=s.dev).manual_seed(0)
+    prompts = [[1, 17, 42, 99, 7], [1, 200, 3, 3, 150, 64, 11], [1, 5], [1, 300, 301, 302]] * 2
+    b1, pol32 = generate_and_compare(s, prompts, g)
+    check_after_step(s, prompts, b1, pol32)
+    generate_after_sync(s, prompts, g, b1)
+
+
+def run(size: str = "tiny", bucket_mb: float = 64.0, gpu_util: float = 0.3, out: Path | None = None) -> dict:
+    import torch
 
     single_rank_env()
     dev = torch.device("cuda", 0)
@@ -167,91 +323,13 @@ def run(size: str = "tiny", bucket_mb: float = 64.0, gpu_util: float = 0.3, out:
                  "torch": torch.__version__, "checks": {}}
     lm = build_policy(size, dev)
     res["params"] = sum(p.numel() for p in lm.parameters())
-    named = list(lm.named_parameters()) + list(lm.named_buffers())
-    cap = bucket_bytes_from_mb(bucket_mb)
     with tempfile.TemporaryDirectory() as run_dir:
-        free0 = torch.cuda.mem_get_info()[0]
-        t0 = time.perf_counter()
-        eng = make_engine(lm, run_dir, bucket_mb, gpu_util, dev)
-        import vllm
-
-        res["vllm"] = vllm.__version__
-        res["engine_build_s"] = time.perf_counter() - t0
-        res["sleep_level"] = eng.sleep_level
-        res["gpu_free_gib_after_build_and_sleep"] = torch.cuda.mem_get_info()[0] / 2**30
-        res["gpu_free_gib_before_build"] = free0 / 2**30
-
-        torch.cuda.synchronize()
-        syncs = []
-        for _ in range(2 if size == "7b" else 1):  # 7b: the second sync is the steady state
-            t0 = time.perf_counter()
-            eng.update_weights(iter_buckets(named, cap))
-            torch.cuda.synchronize()
-            syncs.append(time.perf_counter() - t0)
-        res["sync_s"] = syncs
-        res["sync_gib"] = eng.stats["sync_bytes"] / 2**30
-        res["sync_gib_per_s"] = res["sync_gib"] / syncs[-1]
+        s = start_engine(lm, run_dir, bucket_mb, gpu_util, dev, res)
         if size == "7b":
-            res["checks"]["sync_7b_le_2s"] = syncs[-1] <= 2.0
-            eng._wake(["kv_cache"])
-            eng._sleep()
-            res["gpu_free_gib_asleep"] = torch.cuda.mem_get_info()[0] / 2**30
+            check_7b(s, syncs=2)  # the second sync is the steady state
         else:
-            g = torch.Generator(device=dev).manual_seed(0)
-            prompts = [[1, 17, 42, 99, 7], [1, 200, 3, 3, 150, 64, 11], [1, 5], [1, 300, 301, 302]] * 2
-            t0 = time.perf_counter()
-            free_before = torch.cuda.mem_get_info()[0]
-            b1 = eng.generate(prompts, SamplingParams(1.0, 1.0, NEW_TOKENS), g)
-            res["generate_s"] = time.perf_counter() - t0
-            res["gpu_free_gib_asleep"] = torch.cuda.mem_get_info()[0] / 2**30
-            res["gpu_freed_by_sleep_gib"] = (torch.cuda.mem_get_info()[0] - free_before) / 2**30
-            res["engine_stats"] = dict(eng.stats)
-            ref16 = bf16_copy(lm)
-            with torch.no_grad():
-                pol16 = policy_logprobs(ref16, prompts, b1.token_ids)
-                pol32 = policy_logprobs(lm, prompts, b1.token_ids)
-            res["parity_before"] = {"vs_bf16_policy": diff_stats(b1.logprobs, pol16),
-                                    "vs_fp32_policy": diff_stats(b1.logprobs, pol32)}
-            p = res["parity_before"]["vs_bf16_policy"]
-            res["checks"]["parity_before"] = p["max"] <= ATOL_MAX and p["mean"] <= ATOL_MEAN
-
-            # one optimizer step that makes the sampled tokens likelier
-            opt = torch.optim.AdamW(lm.parameters(), lr=3e-3, weight_decay=0.0)
-            lp = policy_logprobs(lm, prompts, b1.token_ids)
-            loss = -torch.cat(lp).mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            with torch.no_grad():
-                pol_new32 = policy_logprobs(lm, prompts, b1.token_ids)
-                pol_new16 = policy_logprobs(bf16_copy(lm), prompts, b1.token_ids)
-            t0 = time.perf_counter()
-            eng.update_weights(iter_buckets(named, cap))
-            torch.cuda.synchronize()
-            res["sync2_s"] = time.perf_counter() - t0
-            v_new = vllm_score(eng, prompts, b1.token_ids)
-            d_pol = torch.cat([a.cpu().double() - b.cpu().double() for a, b in zip(pol_new32, pol32)])
-            d_vllm = torch.cat([torch.tensor(a, dtype=torch.float64) - torch.tensor(b, dtype=torch.float64)
-                                for a, b in zip(v_new, b1.logprobs)])
-            corr = float(torch.corrcoef(torch.stack([d_pol, d_vllm]))[0, 1])
-            res["after_step"] = {"policy_mean_change": float(d_pol.mean()), "vllm_mean_change": float(d_vllm.mean()),
-                                 "corr_of_changes": corr, "vs_new_bf16_policy": diff_stats(v_new, pol_new16),
-                                 "vs_new_fp32_policy": diff_stats(v_new, pol_new32)}
-            p = res["after_step"]["vs_new_bf16_policy"]
-            res["checks"]["logprobs_changed"] = float(d_vllm.abs().mean()) > 5 * ATOL_MEAN
-            res["checks"]["changed_as_policy"] = corr > 0.9
-            res["checks"]["parity_after_sync"] = p["max"] <= ATOL_MAX and p["mean"] <= ATOL_MEAN
-
-            t0 = time.perf_counter()
-            b2 = eng.generate(prompts, SamplingParams(1.0, 1.0, NEW_TOKENS), g)
-            res["generate2_s"] = time.perf_counter() - t0
-            with torch.no_grad():
-                pol2 = policy_logprobs(bf16_copy(lm), prompts, b2.token_ids)
-            p = diff_stats(b2.logprobs, pol2)
-            res["parity_generate_after_sync"] = p
-            res["checks"]["parity_generate_after_sync"] = p["max"] <= ATOL_MAX and p["mean"] <= ATOL_MEAN
-            res["checks"]["lengths"] = all(0 < len(t) <= NEW_TOKENS for t in b1.token_ids + b2.token_ids)
-        eng.close()
+            check_tiny(s)
+        s.eng.close()
     res["tolerance"] = {"max": ATOL_MAX, "mean": ATOL_MEAN}
     res["ok"] = all(res["checks"].values())
     if out is not None:

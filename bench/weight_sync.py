@@ -29,7 +29,9 @@ import socket
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 MODELS = {
     # trainer/demo.py's tiny Qwen2 (vocabulary: the builtin arithmetic tokenizer's)
@@ -59,15 +61,60 @@ def _config(arch: dict, zero: int, run_dir: str):
     })
 
 
-def _worker(rank: int, world: int, port: int, spec: dict, out: str) -> None:
+@dataclass
+class _Job:
+    """One benchmark process: the policy engine, the rollout engine it syncs into, and the state its
+    ``sync`` / ``pack`` steps share."""
+
+    engine: Any  # fastcov.trainer.engine.PolicyEngine
+    rollout: Any  # the HF rollout engine, holding its own copy of the weights
+    n_params: int
+    trim: bool = False  # malloc_trim after each bucket (set for the peak-memory run)
+    counted: list[int] = field(default_factory=list)  # bytes of each bucket of the last sync
+    buf: Any = None  # pack's reused flat uint8 buffer
+
+    def stream(self, mb):
+        from bench._measure import malloc_trim
+
+        for b in self.engine.weight_buckets(mb):
+            yield b
+            if self.trim:
+                malloc_trim()
+
+    def sync(self, mb) -> None:
+        self.counted.clear()
+
+        def count(bs):
+            for b in bs:
+                self.counted.append(b.nbytes)
+                yield b
+
+        self.rollout.update_weights(count(self.stream(mb)))
+
+    def pack(self, mb) -> None:
+        import torch
+
+        for b in self.stream(mb):
+            if self.buf.numel() < b.nbytes:
+                self.buf = torch.empty(0, dtype=torch.uint8)
+                self.buf = torch.empty(b.nbytes, dtype=torch.uint8)
+            b.flatten(out=self.buf)
+
+
+def _process_env(rank: int, world: int, port: int) -> None:
+    """What the launcher would set, and one intra-op thread (set before torch is imported)."""
     os.environ.update({"DS_ACCELERATOR": "cpu", "RANK": str(rank), "LOCAL_RANK": str(rank),
                        "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                        "OMP_NUM_THREADS": "1"})
     import torch
-    import torch.distributed as dist
 
     torch.set_num_threads(1)
-    from bench._measure import PeakMemory, malloc_trim
+
+
+def _build(spec: dict, rank: int, world: int) -> _Job:
+    """The policy engine and the HF rollout engine, built as the trainer builds them."""
+    import torch
+
     from fastcov.trainer.engine import PolicyEngine, init_distributed
     from fastcov.trainer.model import PolicyModel, build_model, load_tokenizer
     from fastcov.trainer.rollout import make_rollout_engine
@@ -81,64 +128,60 @@ def _worker(rank: int, world: int, port: int, spec: dict, out: str) -> None:
     engine = PolicyEngine(PolicyModel(lm), cfg, cpu, world)
     # the HF engine's own copy (what ZeRO-3 runs use) is the sync target at every stage measured here
     rollout = make_rollout_engine(cfg, engine.policy.lm, tok, device=cpu, rank=rank, world=world, zero_stage=3)
-    params = list(engine.policy.lm.parameters())
-    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in params)
-    rows = []
-    trim = [False]
+    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in engine.policy.lm.parameters())
+    return _Job(engine, rollout, n_params)
 
-    def stream(mb):
-        for b in engine.weight_buckets(mb):
-            yield b
-            if trim[0]:
-                malloc_trim()
 
-    for mb in spec["buckets"]:
-        counted = []
+def _measure(job: _Job, fn, repeats: int) -> tuple[list[float], int | None]:
+    """fn's times (ms) over ``repeats`` runs after one warm-up, then the peak RSS increment (bytes) of one
+    more run with malloc_trim after each bucket (None where PeakMemory cannot tell)."""
+    import torch
+    import torch.distributed as dist
 
-        def sync():
-            counted.clear()
+    from bench._measure import PeakMemory
 
-            def count(bs):
-                for b in bs:
-                    counted.append(b.nbytes)
-                    yield b
+    with torch.no_grad():
+        fn()  # warm-up
+        times = []
+        for _ in range(repeats):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        dist.barrier()
+        job.buf = torch.empty(0, dtype=torch.uint8)  # the measured pack allocates its buffer
+        job.trim = True
+        with PeakMemory(torch.device("cpu")) as pm:
+            fn()
+        job.trim = False
+    return times, pm.peak_bytes
 
-            rollout.update_weights(count(stream(mb)))
 
-        buf = [torch.empty(0, dtype=torch.uint8)]
+def _bucket_row(job: _Job, spec: dict, world: int, mb: float) -> dict:
+    """One row of the results: sync and pack of bucket size ``mb``, then the exactness check."""
+    import torch
 
-        def pack():
-            for b in stream(mb):
-                if buf[0].numel() < b.nbytes:
-                    buf[0] = torch.empty(0, dtype=torch.uint8)
-                    buf[0] = torch.empty(b.nbytes, dtype=torch.uint8)
-                b.flatten(out=buf[0])
+    job.buf = torch.empty(0, dtype=torch.uint8)
+    res = {}
+    for name, fn in (("sync", lambda: job.sync(mb)), ("pack", lambda: job.pack(mb))):
+        times, peak = _measure(job, fn, spec["repeats"])
+        res[f"{name}_ms"] = statistics.median(times)
+        res[f"{name}_ms_all"] = [round(t, 2) for t in times]
+        res[f"peak_{name}_mib"] = None if peak is None else peak / 2**20
+    job.sync(mb)
+    own = dict(job.rollout.model.named_parameters())
+    exact = all(torch.equal(own[n], t) for n, t in job.engine.named_weights() if n in own)
+    return dict(model=spec["model"], params=job.n_params, zero=spec["zero"], procs=world,
+                bucket_mb=mb, buckets=len(job.counted),
+                largest_bucket_mib=max(job.counted) / 2**20, exact=exact, **res)
 
-        res = {}
-        for name, fn in (("sync", sync), ("pack", pack)):
-            with torch.no_grad():
-                fn()  # warm-up
-                times = []
-                for _ in range(spec["repeats"]):
-                    dist.barrier()
-                    t0 = time.perf_counter()
-                    fn()
-                    times.append((time.perf_counter() - t0) * 1e3)
-                dist.barrier()
-                buf[0] = torch.empty(0, dtype=torch.uint8)  # the measured pack allocates its buffer
-                trim[0] = True
-                with PeakMemory(cpu) as pm:
-                    fn()
-                trim[0] = False
-            res[f"{name}_ms"] = statistics.median(times)
-            res[f"{name}_ms_all"] = [round(t, 2) for t in times]
-            res[f"peak_{name}_mib"] = None if pm.peak_bytes is None else pm.peak_bytes / 2**20
-        sync()
-        own = dict(rollout.model.named_parameters())
-        exact = all(torch.equal(own[n], t) for n, t in engine.named_weights() if n in own)
-        rows.append(dict(model=spec["model"], params=n_params, zero=spec["zero"], procs=world,
-                         bucket_mb=mb, buckets=len(counted),
-                         largest_bucket_mib=max(counted) / 2**20, exact=exact, **res))
+
+def _worker(rank: int, world: int, port: int, spec: dict, out: str) -> None:
+    _process_env(rank, world, port)
+    import torch.distributed as dist
+
+    job = _build(spec, rank, world)
+    rows = [_bucket_row(job, spec, world, mb) for mb in spec["buckets"]]
     if rank == 0:
         Path(out).write_text(json.dumps(rows))
     dist.barrier()
