@@ -67,7 +67,7 @@ class _Job:
     ``sync`` / ``pack`` steps share."""
 
     engine: Any  # fastcov.trainer.engine.PolicyEngine
-    rollout: Any  # the HF rollout engine, holding its own copy of the weights
+    rollout: Any  # the HF rollout engine with its own copy of the weights (per node with several processes)
     n_params: int
     trim: bool = False  # malloc_trim after each bucket (set for the peak-memory run)
     counted: list[int] = field(default_factory=list)  # bytes of each bucket of the last sync
@@ -126,7 +126,8 @@ def _build(spec: dict, rank: int, world: int) -> _Job:
     tok = load_tokenizer(cfg.model)
     lm = build_model(cfg.model, cpu, torch.float32, tok)
     engine = PolicyEngine(PolicyModel(lm), cfg, cpu, world)
-    # the HF engine's own copy (what ZeRO-3 runs use) is the sync target at every stage measured here
+    # the HF engine's own copy (what ZeRO-3 runs use; with several processes one per node, held by its first
+    # rank) is the sync target at every stage measured here
     rollout = make_rollout_engine(cfg, engine.policy.lm, tok, device=cpu, rank=rank, world=world, zero_stage=3)
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in engine.policy.lm.parameters())
     return _Job(engine, rollout, n_params)
@@ -157,6 +158,13 @@ def _measure(job: _Job, fn, repeats: int) -> tuple[list[float], int | None]:
     return times, pm.peak_bytes
 
 
+def _rollout_model(rollout):
+    """The rollout copy this rank holds: the HF engine's, or a NodeRolloutEngine's on the node's first
+    rank (None on the node's other ranks, which hold none)."""
+    engine = getattr(rollout, "engine", rollout)
+    return None if engine is None else engine.model
+
+
 def _bucket_row(job: _Job, spec: dict, world: int, mb: float) -> dict:
     """One row of the results: sync and pack of bucket size ``mb``, then the exactness check."""
     import torch
@@ -169,8 +177,10 @@ def _bucket_row(job: _Job, spec: dict, world: int, mb: float) -> dict:
         res[f"{name}_ms_all"] = [round(t, 2) for t in times]
         res[f"peak_{name}_mib"] = None if peak is None else peak / 2**20
     job.sync(mb)
-    own = dict(job.rollout.model.named_parameters())
-    exact = all(torch.equal(own[n], t) for n, t in job.engine.named_weights() if n in own)
+    lm = _rollout_model(job.rollout)
+    own = {} if lm is None else dict(lm.named_parameters())
+    # a list, not a short-circuiting generator: under ZeRO-3 every rank must walk named_weights to its end
+    exact = all([torch.equal(own[n], t) for n, t in job.engine.named_weights() if n in own])
     return dict(model=spec["model"], params=job.n_params, zero=spec["zero"], procs=world,
                 bucket_mb=mb, buckets=len(job.counted),
                 largest_bucket_mib=max(job.counted) / 2**20, exact=exact, **res)
