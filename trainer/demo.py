@@ -147,6 +147,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads for the warm-start and the RL runs (trainer.threads); the numbers "
                          "do not depend on the machine's core count (default 1)")
+    ap.add_argument("--jobs", type=int, default=0,
+                    help="RL runs trained at once, each in its own process (default 0: all of them; on 2 cores three "
+                         "1-thread runs share the cores with no idle tail); the numbers do not depend on it")
     ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="applied to every RL run")
     return ap
 
@@ -175,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     from fastcov.trainer.config import ConfigError, load_config
     from fastcov.trainer.report import write_report
+    from fastcov.trainer.study import train_runs
     from fastcov.trainer.train import train
 
     algos = [a.strip() for a in args.algos.split(",") if a.strip()]
@@ -193,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         sft = warm_start(sft_dir, data_dir, SFTConfig(steps=args.sft_steps), args.max_ops, args.max_value)
         print(f"[demo] warm-start done: loss {sft['sft_loss']:.3f} in {sft['sft_seconds']:.0f}s", flush=True)
 
-    run_dirs, timings = [], {}
+    cfgs = {}
     for algo in algos:
         overrides = [
             f"model.path={sft_dir / 'model'}",
@@ -208,11 +212,12 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as exc:
             print(f"demo: {exc}", file=sys.stderr)
             return 2
-        print(f"[demo] training {algo} (mode {cfg.algo.mode}, {cfg.trainer.max_steps} steps)", flush=True)
-        t0 = time.perf_counter()
-        # a second `make demo` moves the previous run aside (runs/demo/<algo>.old-<time>), never deletes it
-        run_dirs.append(train(cfg, overwrite=True))
-        timings[algo] = time.perf_counter() - t0
+        cfgs[(algo, None)] = cfg
+    jobs = args.jobs if args.jobs > 0 else len(algos)
+    print(f"[demo] training {', '.join(algos)} ({jobs} at a time)", flush=True)
+    # a second `make demo` moves the previous runs aside (runs/demo/<algo>.old-<time>), never deletes them
+    done, timings = train_runs([(a, None) for a in algos], cfgs, False, jobs, train)
+    run_dirs = [done[(a, None)] for a in algos]
 
     from fastcov.trainer.report import summarize
 

@@ -1,7 +1,7 @@
 """Run a study: several arms (config overrides) from one base config and one start, then one report.
 
     python -m fastcov.trainer.study configs/studies/jin-reweight.yaml [--out DIR] [--arms a,b] [--seeds 0,1]
-        [KEY=VALUE ...]
+        [--jobs 2] [KEY=VALUE ...]
 
 A study file (YAML)::
 
@@ -77,6 +77,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--n-val", type=int, default=128)
     ap.add_argument("--reuse-sft", action="store_true", help="setup: demo: keep an existing warm-start model")
     ap.add_argument("--seeds", default=None, help="comma-separated seeds, replacing the study's")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="runs trained at once, each in its own process (default 1; on CPU at most the core "
+                         "count over trainer.threads)")
     ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="applied to every arm")
     return ap
 
@@ -137,14 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"study: {exc}", file=sys.stderr)
         return 2
-    run_dirs, timings = {}, {}
-    for a, sd in runs:
-        cfg = cfgs[(a, sd)]
-        print(f"[study] training {a}" + (f" seed {sd}" if multi else "")
-              + f" (mode {cfg.algo.mode}, {cfg.trainer.max_steps} steps)", flush=True)
-        t0 = time.perf_counter()
-        run_dirs[(a, sd)] = train(cfg, overwrite=True)
-        timings[a] = timings.get(a, 0.0) + time.perf_counter() - t0
+    run_dirs, timings = train_runs(runs, cfgs, multi, max(1, args.jobs), train)
     total = time.perf_counter() - t_start
     if multi:
         return _seed_report(study, args, out, base, arms, seeds, run_dirs, timings, total)
@@ -157,6 +153,50 @@ def main(argv: list[str] | None = None) -> int:
     print(report.read_text())
     print(f"[study] report: {report}")
     return 0
+
+
+def _train_in_worker(cfg, label: str):
+    """One run in a worker process (``--jobs`` > 1): its own distributed port, no progress bar."""
+    from fastcov.trainer.engine import free_port
+    from fastcov.trainer.train import train
+
+    os.environ["MASTER_PORT"] = str(free_port())
+    t0 = time.perf_counter()
+    run_dir = train(cfg, overwrite=True)
+    print(f"[study] {label} done in {time.perf_counter() - t0:.0f}s", flush=True)
+    return run_dir, time.perf_counter() - t0
+
+
+def train_runs(runs, cfgs, multi: bool, jobs: int, train):
+    """Train every (arm, seed); ``jobs`` > 1 runs that many at once, each in its own process (each run's
+    numbers do not depend on it: a run's threads are ``trainer.threads``). Returns (run dirs, seconds per arm)."""
+    run_dirs, timings = {}, {}
+
+    def label(a, sd):
+        cfg = cfgs[(a, sd)]
+        return f"{a}" + (f" seed {sd}" if multi else "") + f" (mode {cfg.algo.mode}, {cfg.trainer.max_steps} steps)"
+
+    if jobs == 1:
+        for a, sd in runs:
+            print(f"[study] training {label(a, sd)}", flush=True)
+            t0 = time.perf_counter()
+            run_dirs[(a, sd)] = train(cfgs[(a, sd)], overwrite=True)
+            timings[a] = timings.get(a, 0.0) + time.perf_counter() - t0
+        return run_dirs, timings
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn")) as pool:
+        futures = {}
+        for a, sd in runs:
+            cfg = cfgs[(a, sd)]
+            cfg.trainer.progress = False  # interleaved bars from several processes say nothing
+            print(f"[study] queued {label(a, sd)}", flush=True)
+            futures[(a, sd)] = pool.submit(_train_in_worker, cfg, label(a, sd))
+        for key, fut in futures.items():
+            run_dirs[key], seconds = fut.result()
+            timings[key[0]] = timings.get(key[0], 0.0) + seconds
+    return run_dirs, timings
 
 
 def _seed_report(study, args, out: Path, base: str, arms, seeds, run_dirs, timings, total) -> int:
