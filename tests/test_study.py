@@ -74,3 +74,11 @@ def test_multi_seed_study_reports_intervals_and_the_law(tmp_path):
     m1 = (tmp_path / "grpo" / "seed1" / "metrics.jsonl").read_text()
     assert m0 != m1, "seeds must change the run"
     assert (tmp_path / "entropy_bands.png").is_file()
+    # --report-only trains nothing and writes the same report again, keeping the recorded wall time
+    (tmp_path / "report.md").unlink()
+    metrics_before = m0
+    rc = main([str(study_file), "--out", str(tmp_path), "--seeds", "0,1", "--arms", "grpo,kl_cov_random",
+               "--report-only"])
+    assert rc == 0 and (tmp_path / "report.md").read_text() == text
+    assert (tmp_path / "grpo" / "seed0" / "metrics.jsonl").read_text() == metrics_before
+    assert main([str(study_file), "--out", str(tmp_path / "none"), "--seeds", "0", "--report-only"]) == 2

@@ -37,8 +37,9 @@ def _run(start, end, passk, steps=40, seed=0):
     rollout_acc = [0.5 + 0.3 * (1 - math.exp(h - start)) + rng.uniform(-0.01, 0.01) for h in ent]
     return {"steps": list(range(1, steps + 1)), "entropy": ent, "rollout_acc": rollout_acc, "eval_steps": list(range(1, steps + 1, 4)),
             "val_acc": acc, "start_entropy": ent[0], "final_entropy": sum(ent[-4:]) / 4, "final_val_acc": acc[-1],
-            "pass@8": passk, "mean@8": passk - 0.1, "selected_tokens": None, "selected_pos_adv_share": None,
-            "selected_prob": None, "selected_cov": None}
+            "pass@8": passk + rng.uniform(-0.01, 0.01), "mean@8": passk - 0.1, "start_pass@8": 0.9 + seed % 3 * 0.01,
+            "start_mean@8": 0.6, "selected_tokens": None, "selected_pos_adv_share": None, "selected_prob": None,
+            "selected_cov": None}
 
 
 def test_study_tables_say_whether_the_gap_excludes_zero():
@@ -53,5 +54,11 @@ def test_study_tables_say_whether_the_gap_excludes_zero():
     means = {a: sum(r["final_entropy"] for r in numbers[a]) / 3 for a in numbers}
     assert summary["arms"]["kl_cov"]["entropy_ratio_to_baseline"] == pytest.approx(means["kl_cov"] / means["grpo"])
     assert "Entropy law on grpo" in text and "holdout RMSE" in text
+    # kl_cov's pass@8 is 0.02 above grpo's with a spread of 0.01: the pass@8 gap is stated with its interval
+    pgap = summary["arms"]["kl_cov"]["pass@8_gap"]
+    assert pgap["mean"] == pytest.approx(0.02, abs=0.015) and pgap["ci95"] > 0
+    assert f"kl_cov − grpo, final entropy: {gap['mean']:.3f} ± {gap['ci95']:.3f}" in text and "; pass@8: " in text
+    assert summary["start"]["pass@8"]["mean"] == pytest.approx(0.91, abs=1e-9)
+    assert "the start model (step 0, every run's first evaluation): pass@8 0.910 ± " in text
     same = {"grpo": numbers["grpo"], "kl_cov": [_run(0.4, 0.15, 0.8, seed=20 + s) for s in range(3)]}
     assert not study_tables(same, 8)[1]["arms"]["kl_cov"]["entropy_gap"]["excludes_zero"]

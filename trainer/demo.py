@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from fastcov.trainer.synthetic import SOLUTION_STYLES
+
 ALGOS = {"grpo": "vanilla", "clip_cov": "clip_cov", "kl_cov": "kl_cov"}
 
 # The tiny model: ~0.2M parameters; the vocabulary is the task's ~130 word/digit tokens.
@@ -143,6 +145,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--n-val", type=int, default=128)
     ap.add_argument("--max-ops", type=int, default=2)
     ap.add_argument("--max-value", type=int, default=9)
+    ap.add_argument("--style-weights", default=",".join(str(w) for w in SFTConfig.style_weights),
+                    help="warm-start mix of the answer styles " + "/".join(SOLUTION_STYLES) + " (comma-separated)")
     ap.add_argument("--reuse-sft", action="store_true", help="keep an existing warm-start model")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads for the warm-start and the RL runs (trainer.threads); the numbers "
@@ -185,6 +189,13 @@ def main(argv: list[str] | None = None) -> int:
     for a in algos:
         if a not in ALGOS:
             ap.error(f"--algos: unknown algorithm {a!r} (choose from {', '.join(ALGOS)})")
+    try:
+        style_weights = tuple(float(w) for w in args.style_weights.split(","))
+    except ValueError:
+        ap.error(f"--style-weights: expected comma-separated numbers, got {args.style_weights!r}")
+    if len(style_weights) != len(SOLUTION_STYLES) or min(style_weights) < 0 or sum(style_weights) <= 0:
+        ap.error(f"--style-weights: expected {len(SOLUTION_STYLES)} non-negative weights with a positive sum "
+                 f"({'/'.join(SOLUTION_STYLES)}), got {args.style_weights!r}")
     out = Path(args.out)
     data_dir, sft_dir = out / "data", out / "sft"
     t_start = time.perf_counter()
@@ -194,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         sft = {"sft_seconds": 0.0, "sft_steps": "reused"}
     else:
         print(f"[demo] warm-start: supervised training of a tiny Qwen2 ({args.sft_steps} steps)", flush=True)
-        sft = warm_start(sft_dir, data_dir, SFTConfig(steps=args.sft_steps), args.max_ops, args.max_value)
+        sft = warm_start(sft_dir, data_dir, SFTConfig(steps=args.sft_steps, style_weights=style_weights),
+                         args.max_ops, args.max_value)
         print(f"[demo] warm-start done: loss {sft['sft_loss']:.3f} in {sft['sft_seconds']:.0f}s", flush=True)
 
     cfgs = {}

@@ -77,6 +77,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--n-val", type=int, default=128)
     ap.add_argument("--reuse-sft", action="store_true", help="setup: demo: keep an existing warm-start model")
     ap.add_argument("--seeds", default=None, help="comma-separated seeds, replacing the study's")
+    ap.add_argument("--report-only", action="store_true",
+                    help="train nothing: write the report again from the runs already in --out")
     ap.add_argument("--jobs", type=int, default=1,
                     help="runs trained at once, each in its own process (default 1; on CPU at most the core "
                          "count over trainer.threads)")
@@ -114,8 +116,9 @@ def main(argv: list[str] | None = None) -> int:
             from fastcov.trainer import demo
 
             data_dir, sft_dir = out / "data", out / "sft"
-            demo.write_task(data_dir, args.n_train, args.n_val, 2, 9, seed=0)
-            if not (args.reuse_sft and (sft_dir / "model" / "config.json").exists()):
+            if not args.report_only:
+                demo.write_task(data_dir, args.n_train, args.n_val, 2, 9, seed=0)
+            if not args.report_only and not (args.reuse_sft and (sft_dir / "model" / "config.json").exists()):
                 steps = args.sft_steps if args.sft_steps is not None else demo.SFTConfig.steps
                 print(f"[study] warm-start: supervised training of the demo's tiny Qwen2 ({steps} steps)", flush=True)
                 demo.warm_start(sft_dir, data_dir, demo.SFTConfig(steps=steps), 2, 9)
@@ -140,12 +143,22 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"study: {exc}", file=sys.stderr)
         return 2
-    run_dirs, timings = train_runs(runs, cfgs, multi, max(1, args.jobs), train)
-    total = time.perf_counter() - t_start
+    if args.report_only:
+        run_dirs = {(a, sd): run_dir(a, sd) for a, sd in runs}
+        missing = [str(d) for d in run_dirs.values() if not (d / "metrics.jsonl").is_file()]
+        if missing:
+            print(f"study: --report-only: no metrics.jsonl in {', '.join(missing)}", file=sys.stderr)
+            return 2
+        total, timings = _previous_times(out)
+        if set(timings) != set(arms):  # not recorded for these arms: the runs' own step times
+            timings = {a: sum(_seconds_of(run_dirs[(a, sd)]) for sd in seeds) for a in arms}
+    else:
+        run_dirs, timings = train_runs(runs, cfgs, multi, max(1, args.jobs), train)
+        total = time.perf_counter() - t_start
     if multi:
         return _seed_report(study, args, out, base, arms, seeds, run_dirs, timings, total)
     run_dirs = [run_dirs[(a, seeds[0])] for a in arms]
-    pre = (f"Study `{os.path.relpath(args.study)}` on `{os.path.relpath(base)}`; wall time {total:.0f}s ("
+    pre = (f"Study `{os.path.relpath(args.study)}` on `{os.path.relpath(base)}`; wall time {_wall(total)} ("
            + ", ".join(f"{a} {s:.0f}s" for a, s in timings.items()) + ").")
     if study.get("notes"):
         pre += "\n\n" + str(study["notes"]).strip()
@@ -153,6 +166,28 @@ def main(argv: list[str] | None = None) -> int:
     print(report.read_text())
     print(f"[study] report: {report}")
     return 0
+
+
+def _previous_times(out: Path) -> tuple[float | None, dict[str, float]]:
+    """The wall time and per-arm seconds the study that trained the runs in ``out`` recorded (study.json)."""
+    import json
+
+    try:
+        data = json.loads((out / "study.json").read_text())
+        return float(data["wall_s"]), {a: float(v) for a, v in data.get("arm_seconds", {}).items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None, {}
+
+
+def _wall(total: float | None) -> str:
+    return "unknown" if total is None else f"{total:.0f}s"
+
+
+def _seconds_of(run_dir: Path) -> float:
+    """A finished run's training time: the sum of its steps' ``time/step`` (evaluations not included)."""
+    from fastcov.trainer.report import read_rows
+
+    return sum(r.get("time/step", 0.0) for r in read_rows(run_dir / "metrics.jsonl"))
 
 
 def _train_in_worker(cfg, label: str):
@@ -211,14 +246,14 @@ def _seed_report(study, args, out: Path, base: str, arms, seeds, run_dirs, timin
     plot = plot_bands(numbers, out / "entropy_bands.png")
     head = [f"# {study.get('title', 'fastcov study')}", "",
             f"Study `{os.path.relpath(args.study)}` on `{os.path.relpath(base)}`, seeds {seeds}; wall time "
-            f"{total:.0f}s (" + ", ".join(f"{a} {s:.0f}s" for a, s in timings.items()) + ").",
+            f"{_wall(total)} (" + ", ".join(f"{a} {s:.0f}s" for a, s in timings.items()) + ").",
             "Mean ± 95% confidence interval across seeds (Student's t; Welch's for differences). "
             "Entropy end: mean of the last 10% of steps. pass@k / mean@k: the last evaluation.", ""]
     if study.get("notes"):
         head += [str(study["notes"]).strip(), ""]
     body = head + lines + (["", f"![entropy across seeds]({plot.name})"] if plot else [])
     (out / "report.md").write_text("\n".join(body) + "\n")
-    summary.update(seeds=seeds, pass_k=pass_k, wall_s=total,
+    summary.update(seeds=seeds, pass_k=pass_k, wall_s=total, arm_seconds=timings,
                    runs={f"{a}/seed{sd}": str(run_dirs[(a, sd)]) for a, sd in run_dirs})
     (out / "study.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
     print("\n".join(body))

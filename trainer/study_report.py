@@ -115,6 +115,7 @@ def run_numbers(run_dir: Path, pass_k: int) -> dict[str, Any]:
         raise ValueError(f"{run_dir}: no training steps in metrics.jsonl")
     tail = train[-max(1, len(train) // 10):]
     last = evals[-1] if evals else {}
+    first = evals[0] if len(evals) > 1 and evals[0].get("step") == 0 else {}  # the start model, same for every arm
     sel = [r for r in train if r.get("sel/pos_adv_share") is not None]
     return {
         "steps": [r["step"] for r in train],
@@ -127,6 +128,8 @@ def run_numbers(run_dir: Path, pass_k: int) -> dict[str, Any]:
         "final_val_acc": last.get("val_acc"),
         f"pass@{pass_k}": last.get(f"val_pass@{pass_k}"),
         f"mean@{pass_k}": last.get(f"val_mean@{pass_k}"),
+        f"start_pass@{pass_k}": first.get(f"val_pass@{pass_k}"),
+        f"start_mean@{pass_k}": first.get(f"val_mean@{pass_k}"),
         "selected_tokens": (sum(r.get("sel/tokens_per_update", 0.0) for r in sel) / len(sel)) if sel else None,
         "selected_pos_adv_share": (sum(r["sel/pos_adv_share"] for r in sel) / len(sel)) if sel else None,
         "selected_prob": (sum(r["sel/mean_prob"] for r in sel) / len(sel)) if sel else None,
@@ -157,10 +160,11 @@ def _cell(mean: float | None, half: float | None, spec: str = ".3f") -> str:
     return f"{mean:{spec}}" + (f" ± {half:{spec}}" if half is not None else "")
 
 
-def study_tables(numbers: dict[str, list[dict[str, Any]]], pass_k: int, baseline: str = "grpo",
-                 focus: str = "kl_cov") -> tuple[list[str], dict[str, Any]]:
-    """Markdown lines and a summary dict: per arm mean ± 95% CI across seeds; the focus arm's entropy gap
-    to the baseline with Welch's interval; selection diagnostics; the law holdout of the baseline."""
+def study_tables(numbers: dict[str, list[dict[str, Any]]], pass_k: int,
+                 baseline: str = "grpo") -> tuple[list[str], dict[str, Any]]:
+    """Markdown lines and a summary dict: per arm mean ± 95% CI across seeds; each arm's entropy and
+    pass@k gaps to the baseline with Welch's intervals; pass@k / mean@k of the start model; selection
+    diagnostics; the law holdout of the baseline."""
     keys = ("start_entropy", "final_entropy", "final_val_acc", f"pass@{pass_k}", f"mean@{pass_k}")
     lines = ["| arm | seeds | entropy start | entropy end | entropy end ÷ GRPO's | val acc end | "
              f"pass@{pass_k} | mean@{pass_k} |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -188,13 +192,23 @@ def study_tables(numbers: dict[str, list[dict[str, Any]]], pass_k: int, baseline
         summary["arms"][arm]["entropy_gap"] = {"mean": gap, "ci95": half,
                                                "excludes_zero": half is not None and abs(gap) > half}
         acc = [[n.get(f"pass@{pass_k}") for n in numbers[x]] for x in (arm, baseline)]
+        pass_line = ""
         if all(v is not None for vs in acc for v in vs):
             pgap, phalf = diff_ci(*acc)
             summary["arms"][arm][f"pass@{pass_k}_gap"] = {"mean": pgap, "ci95": phalf}
-        if arm == focus or len(numbers) <= 3:
-            verdict = "excludes" if half is not None and abs(gap) > half else "includes"
-            lines.append(f"- {arm} − {baseline}, final entropy: {_cell(gap, half)} nats/token "
-                         f"(the interval {verdict} 0).")
+            pverdict = "excludes" if phalf is not None and abs(pgap) > phalf else "includes"
+            pass_line = f"; pass@{pass_k}: {_cell(pgap, phalf)} (the interval {pverdict} 0)"
+        verdict = "excludes" if half is not None and abs(gap) > half else "includes"
+        lines.append(f"- {arm} − {baseline}, final entropy: {_cell(gap, half)} nats/token "
+                     f"(the interval {verdict} 0){pass_line}.")
+    starts = [r for runs in numbers.values() for r in runs if r.get(f"start_pass@{pass_k}") is not None]
+    if starts:
+        sp = mean_ci([r[f"start_pass@{pass_k}"] for r in starts])
+        sm = mean_ci([r[f"start_mean@{pass_k}"] for r in starts])
+        summary["start"] = {f"pass@{pass_k}": {"mean": sp[0], "ci95": sp[1]},
+                            f"mean@{pass_k}": {"mean": sm[0], "ci95": sm[1]}}
+        lines.append(f"- the start model (step 0, every run's first evaluation): pass@{pass_k} {_cell(*sp)}, "
+                     f"mean@{pass_k} {_cell(*sm)}.")
     lines += ["", "Which tokens the covariance methods acted on (means over steps and seeds):", "",
               "| arm | tokens per update | share with A > 0 | mean p | mean c_t |", "|---|---:|---:|---:|---:|"]
     for arm, runs in numbers.items():
