@@ -1,0 +1,822 @@
+"""One entry point for the GPU validation run: kernel correctness, the kernel benchmark, a training step, vLLM.
+
+    python -m bench.gpu_suite --part {correctness,kernels,train,vllm,all} [--out DIR] [--size full|smoke]
+
+Each part reuses the project's own tools and records what they measured, one JSON line per measurement
+(written and fsynced as it finishes, so a time limit loses nothing already measured), in
+``<out>/<gpu>/suite-<date>.jsonl`` (``<gpu>``: the slug of ``torch.cuda.get_device_name()``, ``cpu``
+without CUDA). Every invocation first records the environment (GPU, driver, CUDA and package versions);
+after each part ``suite-<date>.md`` is rewritten from the JSONL, and a short table is printed last.
+
+  correctness  ``bench/correctness_gpu.py`` case by case (bf16 kernels vs float64), then
+               ``FASTCOV_POISON=1 pytest -m gpu -q`` in a subprocess (pass / fail counts)
+  kernels      ``python -m bench.kernels --preset h100`` (``smoke`` with ``--size smoke``) in a subprocess:
+               where its results went and one summary line
+  train        the project's trainer (GRPO + KL-Cov, ZeRO-3, HF rollouts, the built-in synthetic task) for
+               ``--steps`` steps (the first one counted as warm-up) in a subprocess: seconds per step part,
+               rollout and update tokens/s, peak GPU memory beside ``fastcov.plan.plan_recipe``'s prediction;
+               then one TRL ``GRPOTrainer`` run on the same model shape and batch, if trl is installed
+  vllm         ``python -m bench.vllm_smoke`` (tiny; and 7b with ``--size full``): generation tokens/s, weight
+               sync seconds and GB/s, log-prob parity
+
+``--size full`` (the default, alias ``1.5b``) is the GPU run: correctness at Qwen2.5-7B shapes, the ``h100``
+preset, a Qwen2.5-1.5B-shaped policy. ``--size smoke`` (alias ``tiny``) runs the same code paths at toy sizes,
+on CPU too (kernels ``smoke`` preset, the ``configs/tiny.yaml`` model). Without CUDA the parts that need it
+record ``unavailable`` rows. A part that raises is recorded as an ``error`` row and the next part still runs.
+``--budget`` bounds the whole invocation (subprocesses are stopped in time to write the summary).
+See bench/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from bench import _measure as M
+from bench.kernels import jsonl_path as kernels_jsonl_path
+from bench.kernels import read_jsonl
+
+REPO = Path(__file__).resolve().parent.parent
+PARTS_ORDER = ("correctness", "kernels", "train", "vllm")
+SIZE_ALIASES = {"full": "full", "1.5b": "full", "smoke": "smoke", "tiny": "smoke"}
+RESULT_MARK = "@@GPU_SUITE_RESULT "
+BAD_STATUSES = ("error", "fail", "timeout", "OOM")
+GIB = 2**30
+# (module, distribution) whose versions the environment record holds; null where not installed
+PACKAGES = (("triton", "triton"), ("transformers", "transformers"), ("deepspeed", "deepspeed"),
+            ("liger_kernel", "liger-kernel"), ("cut_cross_entropy", "cut-cross-entropy"), ("verl", "verl"),
+            ("vllm", "vllm"), ("trl", "trl"), ("accelerate", "accelerate"), ("datasets", "datasets"))
+# correctness_gpu at a small shape for --size smoke (the full run takes its defaults: Qwen2.5-7B's head)
+SMOKE_CORRECTNESS = ["--n", "1024", "--d", "512", "--v", "32064", "--rows", "128", "--vocab-rows", "512"]
+# the trainer: configs/tiny.yaml plus these (both sizes), then the size's own
+TRAIN_CONFIG = REPO / "configs" / "tiny.yaml"
+TRAIN_COMMON = ["trainer.eval_every=0", "trainer.save_every=0", "trainer.progress=false", "trainer.zero_stage=3",
+                "reward.sandbox=inline", "rollout.engine=hf", "algo.adv_estimator=grpo", "algo.mode=kl_cov"]
+QWEN25_15B_ARCH = ("{model_type: qwen2, hidden_size: 1536, intermediate_size: 8960, num_hidden_layers: 28, "
+                   "num_attention_heads: 12, num_key_value_heads: 2, vocab_size: 151936, tie_word_embeddings: true, "
+                   "max_position_embeddings: 4096, rope_theta: 1000000.0, rms_norm_eps: 1.0e-6}")
+# Qwen2.5-1.5B's shape, random weights, the synthetic task; KL-Cov as configs/qwen2.5-7b-kl-cov.yaml has it.
+# 32 prompts x 8 rollouts x up to 256 new tokens: one HF generation batch (token_budget), about 77k tokens per
+# step in 16k-token micro-batches, two optimizer steps per rollout batch.
+TRAIN_FULL = [f"model.arch={QWEN25_15B_ARCH}", "model.gradient_checkpointing=true", "data.synthetic.n_train=512",
+              "trainer.prompts_per_step=32", "rollout.n=8", "rollout.max_new_tokens=256",
+              "rollout.token_budget=131072", "trainer.micro_token_budget=16384", "algo.mini_batches=2",
+              "algo.kl_cov_ratio=2.0e-3", "algo.kl_cov_coef=1.0", "algo.loss_agg=token-mean", "optim.lr=5.0e-7"]
+TRAIN_SMOKE: list[str] = []  # tiny.yaml's model and batch as they are
+TRL_MAX_ROWS = 32  # TRL micro-batch rows on the GPU (its loss materialises [rows, tokens, V] logits)
+
+
+def log(msg: str) -> None:
+    print(f"[gpu_suite] {msg}", file=sys.stderr, flush=True)
+
+
+def short(exc: BaseException, limit: int = 300) -> str:
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def append_row(path: Path, row: dict) -> None:
+    """One JSON line, flushed and fsynced (a run killed later keeps it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(row, default=str) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# =========================================================================== subprocesses
+
+
+@dataclass
+class Proc:
+    """A finished (or stopped) subprocess: exit status, output, wall time."""
+
+    rc: int | None
+    out: str
+    err: str
+    wall_s: float
+    timed_out: bool = False
+
+    def tail(self, lines: int = 12) -> str:
+        text = [ln for ln in (self.err + "\n" + self.out).splitlines() if ln.strip() and RESULT_MARK not in ln]
+        return "\n".join(text[-lines:])
+
+    def result(self) -> dict | None:
+        """The worker's result: its last RESULT_MARK line."""
+        for line in reversed(self.out.splitlines()):
+            if line.startswith(RESULT_MARK):
+                try:
+                    return json.loads(line[len(RESULT_MARK):])
+                except json.JSONDecodeError:
+                    return None
+        return None
+
+    def last_json(self) -> dict | None:
+        """The last stdout line that is a JSON object (bench/vllm_smoke.py's result)."""
+        for line in reversed(self.out.splitlines()):
+            if line.startswith("{"):
+                try:
+                    return json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+        return None
+
+
+def run_cmd(cmd: list[str], timeout: float, env: dict | None = None) -> Proc:
+    """Run ``cmd`` in the repository root in its own process group; past ``timeout`` the whole group is
+    killed (a benchmark's own case processes too) and what it printed so far is kept."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(
+        os.pathsep) if p])
+    group = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
+    t0 = time.perf_counter()
+    if timeout <= 0:
+        return Proc(None, "", "not started: the suite's --budget is spent", 0.0, timed_out=True)
+    p = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         **group)
+    try:
+        out, err = p.communicate(timeout=timeout)
+        return Proc(p.returncode, out, err, time.perf_counter() - t0)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        out, err = p.communicate()
+        return Proc(p.returncode, out or "", (err or "") + f"\nstopped after {timeout:.0f} s",
+                    time.perf_counter() - t0, timed_out=True)
+
+
+# =========================================================================== the run
+
+
+@dataclass
+class Suite:
+    """One invocation: where its rows go, its size, its time budget, and the rows it recorded."""
+
+    out: Path
+    size: str  # full | smoke
+    steps: int
+    timeout: float  # per subprocess
+    deadline: float | None  # time.monotonic() by which everything must be done
+    gpu: str | None
+    slug: str
+    date: str
+    run_id: str
+    rows: list[dict] = field(default_factory=list)
+
+    @property
+    def dir(self) -> Path:
+        return self.out / self.slug
+
+    @property
+    def path(self) -> Path:
+        return self.dir / f"suite-{self.date}.jsonl"
+
+    def left(self) -> float:
+        return float("inf") if self.deadline is None else self.deadline - time.monotonic()
+
+    def record(self, part: str, name: str, status: str, reason: str = "", summary: str = "", **fields) -> dict:
+        row = {"run": self.run_id, "part": part, "name": name, "status": status, "reason": reason,
+               "summary": summary, "size": self.size, "gpu": self.gpu,
+               "at": _dt.datetime.now().isoformat(timespec="seconds"), **fields}
+        append_row(self.path, row)
+        self.rows.append(row)
+        log(f"{part} / {name}: {status} {summary or reason}".rstrip())
+        return row
+
+    def run(self, cmd: list[str], env: dict | None = None) -> Proc:
+        """A subprocess bounded by --timeout and by what is left of --budget (minus time for the summary)."""
+        return run_cmd(cmd, min(self.timeout, self.left() - 15.0), env)
+
+
+def make_suite(args) -> Suite:
+    cuda = torch.cuda.is_available()
+    gpu = torch.cuda.get_device_name(0) if cuda else None
+    out = Path(args.out)
+    out = out if out.is_absolute() else Path.cwd() / out
+    now = _dt.datetime.now()
+    return Suite(out=out, size=SIZE_ALIASES[args.size], steps=args.steps, timeout=args.timeout,
+                 deadline=time.monotonic() + args.budget if args.budget > 0 else None, gpu=gpu,
+                 slug=M.slugify(gpu) if gpu else "cpu", date=now.date().isoformat(),
+                 run_id=f"{now:%Y%m%dT%H%M%S.%f}-{os.getpid()}")
+
+
+# =========================================================================== environment
+
+
+def package_version(module: str, dist: str) -> str | None:
+    """The installed version of ``dist`` if ``module`` can be found (nothing is imported), else None."""
+    try:
+        if importlib.util.find_spec(module) is None:
+            return None
+        return importlib.metadata.version(dist)
+    except (ImportError, ValueError, importlib.metadata.PackageNotFoundError):
+        return None
+
+
+def driver_version() -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        version = pynvml.nvmlSystemGetDriverVersion()
+        return version.decode() if isinstance(version, bytes) else str(version)
+    except Exception:  # noqa: BLE001 - no NVML: the driver stays unknown
+        return None
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() or None if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def environment(s: Suite, argv: list[str]) -> dict:
+    """The environment record's fields: GPU, driver, CUDA, Python, package versions, command, commit."""
+    props = torch.cuda.get_device_properties(0) if s.gpu else None
+    versions = {"torch": torch.__version__, **{dist: package_version(mod, dist) for mod, dist in PACKAGES}}
+    return {"gpu_name": s.gpu, "gpu_memory_gib": props.total_memory / GIB if props else None,
+            "capability": f"{props.major}.{props.minor}" if props else None,
+            "driver": driver_version() if s.gpu else None, "cuda": torch.version.cuda,
+            "python": platform.python_version(), "host": platform.node(), "versions": versions,
+            "command": "python -m bench.gpu_suite " + " ".join(argv), "commit": git_commit(), "jsonl": str(s.path)}
+
+
+def env_summary(env: dict) -> str:
+    v = env["versions"]
+    head = (f"{env['gpu_name']} ({env['gpu_memory_gib']:.0f} GiB, sm {env['capability']}), driver {env['driver']}, "
+            f"CUDA {env['cuda']}" if env["gpu_name"] else "CPU (no CUDA)")
+    return head + "; " + ", ".join(f"{k} {v[k] or '—'}" for k in v)
+
+
+# =========================================================================== part: correctness
+
+
+def part_correctness(s: Suite) -> None:
+    if not torch.cuda.is_available():
+        for name in ("correctness_gpu", "pytest -m gpu"):
+            s.record("correctness", name, "unavailable", "needs CUDA")
+        return
+    guarded(s, "correctness", "correctness_gpu", correctness_cases)
+    guarded(s, "correctness", "pytest -m gpu", gpu_pytest)
+
+
+def correctness_cases(s: Suite, device: torch.device | None = None, extra: tuple[str, ...] = ()) -> None:
+    """bench/correctness_gpu.py's cases through its own functions, one row per (case, implementation).
+    ``device`` (default CUDA) and ``extra`` (more correctness_gpu options) let a CPU test drive it."""
+    from bench import correctness_gpu as C
+
+    argv = ["--out", str(s.dir)] + (SMOKE_CORRECTNESS if s.size == "smoke" else []) + list(extra)
+    args = C.parse_args(argv)
+    C.check_environment(args.impls)
+    device, dtype = device or torch.device("cuda"), getattr(torch, args.dtype)
+    report = C.report_header(args, argv, s.gpu)
+    cases = [(t, False) for t in args.temperatures] + ([] if args.no_bias_case else [(args.temperatures[-1], True)])
+    for ci, (temperature, with_bias) in enumerate(cases):
+        case = C.build_case(args, ci, temperature, with_bias, dtype, device)
+        for impl in args.impls:
+            entry = C.check_impl(impl, case)
+            report["cases"].append(entry)
+            record_correctness_case(s, entry, args)
+            torch.cuda.empty_cache()
+        del case
+        torch.cuda.empty_cache()
+    fused = [e for e in report["cases"] if not e["baseline_only"]]
+    report["passed"] = all(e["status"] == "ok" and not e.get("failures") for e in fused)
+    path = C.write_report(report, s.dir, s.gpu)
+    s.record("correctness", "correctness_gpu", "ok" if report["passed"] else "fail",
+             summary=f"{sum(e['status'] == 'ok' and not e.get('failures') for e in fused)}/{len(fused)} fastcov "
+                     f"cases within tolerance (N {args.n}, D {args.d}, V {args.v}, {args.dtype})",
+             report=str(path), shape={"n": args.n, "d": args.d, "v": args.v, "dtype": args.dtype})
+
+
+def record_correctness_case(s: Suite, entry: dict, args) -> None:
+    name = f"{entry['impl']} T={entry['temperature']}" + (" bias" if entry["bias"] else "")
+    if entry["status"] != "ok":
+        s.record("correctness", name, entry["status"], entry.get("reason", ""), impl=entry["impl"])
+        return
+    m = entry["errors"]
+    errs = {q: m[q]["max_abs" if q in ("logprob", "entropy") else "max_rel"] for q in m}
+    status = "ok" if entry["baseline_only"] or entry["passed"] else "fail"
+    summary = (f"logp {errs['logprob']:.1e}, H {errs['entropy']:.1e}, dh rel {errs['dhidden']:.1e}, "
+               f"dW rel {errs['dweight']:.1e}" + (f", db rel {errs['dbias']:.1e}" if "dbias" in errs else "")
+               + f" ({entry['seconds_fwd_bwd']:.2f} s)" + (" baseline, no tolerance" if entry["baseline_only"] else ""))
+    s.record("correctness", name, status, "; ".join(entry["failures"]), summary, impl=entry["impl"],
+             temperature=entry["temperature"], bias=entry["bias"], max_errors=errs, invariants=entry["invariants"],
+             seconds_fwd_bwd=entry["seconds_fwd_bwd"], shape={"n": args.n, "d": args.d, "v": args.v})
+
+
+_PYTEST_COUNT = re.compile(r"(\d+) (passed|failed|skipped|deselected|xfailed|xpassed|errors?|warnings?)\b")
+
+
+def pytest_counts(output: str) -> dict[str, int]:
+    """{"passed": 3, "deselected": 500, ...} from pytest's last summary line ("error" counted as "errors")."""
+    for line in reversed(output.splitlines()):
+        found = _PYTEST_COUNT.findall(line)
+        if found and (" in " in line or line.startswith("=")):
+            counts: dict[str, int] = {}
+            for n, what in found:
+                key = {"error": "errors", "warning": "warnings"}.get(what, what)
+                counts[key] = counts.get(key, 0) + int(n)
+            return counts
+    return {}
+
+
+def gpu_pytest(s: Suite, targets: tuple[str, ...] = ()) -> None:
+    """``FASTCOV_POISON=1 pytest -m gpu -q`` in a subprocess (on ``targets``, default the project's tests):
+    counts, the failing tests, the output's tail."""
+    proc = s.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rfE", "-p", "no:cacheprovider", *targets],
+                 {"FASTCOV_POISON": "1"})
+    counts = pytest_counts(proc.out)
+    failed = [ln for ln in proc.out.splitlines() if ln.startswith(("FAILED ", "ERROR "))]
+    if proc.timed_out:
+        status, reason = "timeout", proc.tail(3)
+    elif proc.rc == 0:
+        status, reason = "ok", ""
+    elif counts.get("failed") or counts.get("errors"):
+        status, reason = "fail", "; ".join(failed[:5])
+    else:
+        status, reason = "error", f"pytest exited {proc.rc}: " + proc.tail(3)
+    summary = ", ".join(f"{n} {k}" for k, n in counts.items()) + f" ({proc.wall_s:.0f} s)"
+    s.record("correctness", "pytest -m gpu", status, reason, summary, counts=counts, returncode=proc.rc,
+             failed=failed[:50], tail=proc.tail(30), wall_s=proc.wall_s)
+
+
+# =========================================================================== part: kernels
+
+
+def part_kernels(s: Suite) -> None:
+    """``python -m bench.kernels --preset h100`` (smoke: ``--preset smoke``); its own files hold the cases."""
+    preset = "h100" if s.size == "full" else "smoke"
+    cuda = torch.cuda.is_available()
+    if preset == "h100" and not cuda:
+        s.record("kernels", f"preset {preset}", "unavailable", "needs CUDA (--size smoke runs the smoke preset)")
+        return
+    env = {"device_slug": M.device_slug(torch.device("cuda" if cuda else "cpu"))}
+    lines = kernels_jsonl_path(s.out, env, s.date)
+    before = len(read_jsonl(lines)) if lines.is_file() else 0
+    proc = s.run([sys.executable, "-m", "bench.kernels", "--preset", preset, "--out", str(s.out)])
+    cases = read_jsonl(lines)[before:] if lines.is_file() else []
+    statuses: dict[str, int] = {}
+    for c in cases:
+        statuses[c["status"]] = statuses.get(c["status"], 0) + 1
+    fused = [{k: c.get(k) for k in ("impl", "group", "n", "fwd_ms", "fb_ms", "fwd_pct_floor", "fb_pct_floor",
+                                    "speedup_fb", "fb_peak_bytes", "check")}
+             for c in cases if c["impl"].startswith("fastcov") and c["status"] == "ok"]
+    summary = f"{len(cases)} cases ({', '.join(f'{n} {k}' for k, n in statuses.items())})" + "".join(
+        f"; {f['impl']} {f['group']} N={f['n']}: fwd+bwd {_fmt(f['fb_ms'], '.2f')} ms, "
+        f"{_fmt(f['fb_pct_floor'], '.0f')}% of floor, {_fmt(f['speedup_fb'], '.2f')}x naive" for f in fused)
+    status = "timeout" if proc.timed_out else "ok" if proc.rc == 0 and cases else "error"
+    reason = "" if status == "ok" else f"bench.kernels exited {proc.rc}: {proc.tail(4)}"
+    s.record("kernels", f"preset {preset}", status, reason, summary, preset=preset, results_jsonl=str(lines),
+             results_md=str(lines.with_suffix(".md")),
+             results_json=str(s.out / f"{env['device_slug']}-{s.date}.json"), cases=len(cases),
+             statuses=statuses, fastcov=fused, returncode=proc.rc, wall_s=proc.wall_s)
+
+
+def _fmt(x, spec: str) -> str:
+    return "—" if x is None else format(x, spec)
+
+
+# =========================================================================== part: train
+
+
+def train_spec(s: Suite) -> dict:
+    """The config file, overrides and step count the train worker and the TRL worker share."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    size = TRAIN_FULL if s.size == "full" else TRAIN_SMOKE
+    # one step more than measured: the run stops after the last measured row, before any final checkpoint
+    overrides = TRAIN_COMMON + size + [f"trainer.max_steps={s.steps + 1}", f"trainer.device={device}"]
+    return {"config": str(TRAIN_CONFIG), "overrides": overrides, "steps": s.steps}
+
+
+def plan_prediction(spec: dict) -> dict:
+    """``fastcov.plan.plan_recipe`` of the run's config on this one GPU (80 GiB without one), in GiB."""
+    from fastcov.plan import plan_recipe
+    from fastcov.trainer.config import load_config
+
+    cfg = load_config(spec["config"], spec["overrides"])
+    gib = torch.cuda.get_device_properties(0).total_memory / GIB if torch.cuda.is_available() else 80.0
+    plan = plan_recipe(cfg, gpus=1, gpu_memory_gib=gib).to_dict()
+    keys = ("peak", "training_total", "rollout_total", "parameters", "gradients", "optimizer_states", "activations",
+            "logits_fused", "zero3_gathered", "rollout_weights", "rollout_kv_cache", "rollout_during_training")
+    return {**{f"{k}_gib": plan[k] / GIB for k in keys}, "fits": plan["fits"], "engine": plan["rollout_engine"],
+            "ppo_epochs": cfg.algo.ppo_epochs}
+
+
+def part_train(s: Suite) -> None:
+    if s.size == "full" and not torch.cuda.is_available():
+        for name in ("fastcov trainer", "trl GRPOTrainer"):
+            s.record("train", name, "unavailable", "needs CUDA (--size tiny runs the same path on CPU)")
+        return
+    spec = train_spec(s)
+    plan = plan_prediction(spec)
+    with tempfile.TemporaryDirectory(prefix="gpu-suite-train-") as tmp:
+        spec["overrides"].append(f"trainer.run_dir={tmp}/run")
+        proc = s.run([sys.executable, "-m", "bench.gpu_suite", "--_worker", "train", "--_spec", json.dumps(spec)],
+                     {} if torch.cuda.is_available() else {"DS_ACCELERATOR": "cpu"})
+        metrics = Path(tmp) / "run" / "metrics.jsonl"
+        rows = [r for r in (read_jsonl(metrics) if metrics.is_file() else []) if r.get("step", 0) >= 1]
+    record_train(s, spec, proc, rows, plan)
+    guarded(s, "train", "trl GRPOTrainer", lambda s: part_trl(s, spec))
+
+
+def step_fields(r: dict, ppo_epochs: int) -> dict:
+    """One metrics.jsonl row as the suite records it: the time/* keys, rollout and update tokens/s."""
+    tokens = r["tokens_per_s"] * r["time/step"]  # prompt + response tokens of the step's batch
+    upd = r.get("time/update")
+    return {"step": r["step"], **{k: v for k, v in r.items() if k.startswith("time/")}, "tokens": tokens,
+            "tokens_per_s": r["tokens_per_s"], "rollout_tokens_per_s": r.get("tokens_per_s/rollout"),
+            "update_tokens_per_s": tokens * ppo_epochs / upd if upd else None,
+            **{k: r.get(k) for k in ("response_len", "entropy", "selected_frac", "applied_steps", "kept_groups")}}
+
+
+def _median(rows: list[dict], key: str) -> float | None:
+    vals = [r[key] for r in rows if r.get(key) is not None]
+    return statistics.median(vals) if vals else None
+
+
+def record_train(s: Suite, spec: dict, proc: Proc, rows: list[dict], plan: dict) -> None:
+    res = proc.result() or {}
+    steps = [step_fields(r, plan["ppo_epochs"]) for r in rows]
+    for f in steps:
+        parts = ", ".join(f"{k[5:]} {v:.2f}" for k, v in f.items() if k.startswith("time/") and k != "time/step")
+        s.record("train", f"fastcov step {f['step']}", "ok", summary=f"{f['time/step']:.2f} s ({parts}); rollout "
+                 f"{_fmt(f['rollout_tokens_per_s'], '.0f')} tok/s, update {_fmt(f['update_tokens_per_s'], '.0f')} tok/s"
+                 + (" [warm-up]" if f["step"] == 1 else ""), warmup=f["step"] == 1, **f)
+    measured = [f for f in steps if f["step"] > 1] or steps
+    keys = sorted({k for f in measured for k in f if k.startswith("time/")})
+    med = {k: _median(measured, k) for k in keys + ["rollout_tokens_per_s", "update_tokens_per_s", "tokens"]}
+    peak = res.get("peak_allocated_bytes")
+    peak_gib = peak / GIB if peak is not None else None
+    status = ("ok" if res.get("ok") and len(steps) == spec["steps"] else "timeout" if proc.timed_out
+              else "OOM" if res.get("oom") else "error")
+    reason = "" if status == "ok" else (res.get("error") or f"worker exited {proc.rc}: {proc.tail(4)}")
+    summary = (f"median of {len(measured)} step(s) after warm-up: {_fmt(med.get('time/step'), '.2f')} s/step, rollout "
+               f"{_fmt(med['rollout_tokens_per_s'], '.0f')} tok/s, update {_fmt(med['update_tokens_per_s'], '.0f')} "
+               f"tok/s; peak GPU {_fmt(peak_gib, '.1f')} GiB (plan {plan['peak_gib']:.1f} GiB)")
+    s.record("train", "fastcov trainer", status, reason, summary, steps_measured=[f["step"] for f in measured],
+             medians=med, peak_gpu_bytes=peak, peak_gpu_gib=peak_gib,
+             peak_reserved_bytes=res.get("peak_reserved_bytes"), peak_rss_bytes=res.get("peak_rss_bytes"),
+             plan=plan, plan_peak_gib=plan["peak_gib"],
+             measured_over_plan=peak_gib / plan["peak_gib"] if peak_gib is not None else None,
+             overrides=spec["overrides"], config=spec["config"], wall_s=proc.wall_s, returncode=proc.rc,
+             traceback=res.get("traceback"))
+
+
+def part_trl(s: Suite, spec: dict) -> None:
+    """TRL's own GRPOTrainer on the same model shape, prompts, group size and completion length (one worker)."""
+    missing = [m for m in ("trl", "datasets") if importlib.util.find_spec(m) is None]
+    if missing:
+        s.record("train", "trl GRPOTrainer", "unavailable", f"{missing[0]} not installed")
+        return
+    with tempfile.TemporaryDirectory(prefix="gpu-suite-trl-") as tmp:
+        proc = s.run([sys.executable, "-m", "bench.gpu_suite", "--_worker", "trl", "--_spec",
+                      json.dumps({**spec, "output_dir": tmp})])
+    res = proc.result() or {}
+    times = res.get("step_s") or []
+    measured = times[1:] or times
+    status = ("ok" if res.get("ok") and times else "timeout" if proc.timed_out else "OOM" if res.get("oom")
+              else "error")
+    reason = "" if status == "ok" else (res.get("error") or f"worker exited {proc.rc}: {proc.tail(4)}")
+    med = statistics.median(measured) if measured else None
+    peak = res.get("peak_allocated_bytes")
+    summary = (f"median step {_fmt(med, '.2f')} s over {len(measured)} step(s) after warm-up "
+               f"({res.get('rows')} completions, {res.get('per_device_train_batch_size')} per micro-batch); "
+               f"peak GPU {_fmt(peak / GIB if peak is not None else None, '.1f')} GiB")
+    s.record("train", "trl GRPOTrainer", status, reason, summary, step_s=times, median_step_s=med,
+             peak_gpu_bytes=peak, trl=res.get("trl"), setup=res.get("setup"), log=res.get("log"),
+             wall_s=proc.wall_s, traceback=res.get("traceback"))
+
+
+# --------------------------------------------------------------------------- the workers (subprocesses)
+
+
+class _Measured(Exception):
+    """Raised after the last measured step's metrics row: ends the run before a final checkpoint is written."""
+
+
+def gpu_peaks() -> dict:
+    import resource
+
+    out = {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    if torch.cuda.is_available():
+        out.update(peak_allocated_bytes=torch.cuda.max_memory_allocated(),
+                   peak_reserved_bytes=torch.cuda.max_memory_reserved())
+    return out
+
+
+def train_worker(spec: dict) -> dict:
+    """The project's ``train(cfg)`` for ``spec["steps"]`` steps; its metrics.jsonl holds the measurements."""
+    from fastcov.trainer import train as train_mod
+    from fastcov.trainer.config import load_config
+
+    cfg = load_config(spec["config"], spec["overrides"])
+    log_row = train_mod.Run.log_durably
+
+    def log_then_stop(run, rec):
+        log_row(run, rec)
+        if rec.get("step") == spec["steps"]:
+            raise _Measured
+
+    train_mod.Run.log_durably = log_then_stop
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    try:
+        train_mod.train(cfg)
+    except _Measured:
+        pass
+    return {"wall_s": time.perf_counter() - t0, **gpu_peaks()}
+
+
+def _step_timer():
+    """A transformers TrainerCallback that records each optimizer step's wall time (end to end)."""
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.last, self.times = None, []
+
+        def _now(self):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            return time.perf_counter()
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.last = self._now()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            now = self._now()
+            self.times.append(now - self.last)
+            self.last = now
+
+    return StepTimer()
+
+
+def trl_setup(cfg, spec: dict, tokenizer) -> tuple[dict, object, object]:
+    """(GRPOConfig kwargs, prompt dataset, reward function) matching the trainer's batch."""
+    import datasets
+
+    from fastcov.trainer.rewards import RewardFn
+    from fastcov.trainer.synthetic import generate
+
+    t, r, cuda = cfg.trainer, cfg.rollout, torch.cuda.is_available()
+    rows = t.prompts_per_step * r.n
+    per_micro = max(k for k in range(1, t.prompts_per_step + 1)
+                    if t.prompts_per_step % k == 0 and (k * r.n <= TRL_MAX_ROWS or k == 1)) * r.n
+    kwargs = dict(output_dir=spec["output_dir"], per_device_train_batch_size=per_micro,
+                  gradient_accumulation_steps=rows // per_micro, num_generations=r.n,
+                  max_completion_length=r.max_new_tokens, temperature=r.temperature, learning_rate=cfg.optim.lr,
+                  lr_scheduler_type="constant", max_grad_norm=cfg.optim.grad_clip, max_steps=spec["steps"],
+                  logging_steps=1, save_strategy="no", report_to="none", seed=t.seed,
+                  bf16=cuda, use_cpu=not cuda, beta=0.0, gradient_checkpointing=cfg.model.gradient_checkpointing,
+                  disable_tqdm=True, dataloader_num_workers=0)
+    problems = generate(t.prompts_per_step * spec["steps"], seed=cfg.data.synthetic.seed)
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p.question()}], add_generation_prompt=True,
+                                           tokenize=False) for p in problems]
+    data = datasets.Dataset.from_dict({"prompt": texts, "ground_truth": [str(p.answer) for p in problems]})
+    reward_fn = RewardFn(cfg.reward.kind, cfg.reward.timeout_s, "inline")
+
+    def math_reward(completions, ground_truth, **kwargs):
+        return reward_fn.batch(list(completions), list(ground_truth))
+
+    return kwargs, data, math_reward
+
+
+def trl_worker(spec: dict) -> dict:
+    """TRL's GRPOTrainer (its own loss and generation) on a fresh model of the trainer config's shape."""
+    import trl
+
+    from fastcov.trainer.config import load_config
+    from fastcov.trainer.engine import pick_device
+    from fastcov.trainer.model import build_model, load_tokenizer
+
+    cfg = load_config(spec["config"], spec["overrides"])
+    device = pick_device(cfg.trainer.device)
+    tokenizer = load_tokenizer(cfg.model)
+    tokenizer.padding_side = "left"
+    torch.manual_seed(cfg.trainer.seed)
+    model = build_model(cfg.model, device, torch.float32, tokenizer)  # fp32 weights, bf16 autocast on a GPU
+    model.config.use_cache = True
+    kwargs, data, reward = trl_setup(cfg, spec, tokenizer)
+    timer = _step_timer()
+    trainer = trl.GRPOTrainer(model=model, reward_funcs=reward, args=trl.GRPOConfig(**kwargs), train_dataset=data,
+                              processing_class=tokenizer, callbacks=[timer])
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    trainer.train()
+    history = [h for h in trainer.state.log_history if "loss" in h]
+    return {"step_s": timer.times, "trl": trl.__version__, "rows": cfg.trainer.prompts_per_step * cfg.rollout.n,
+            "per_device_train_batch_size": kwargs["per_device_train_batch_size"],
+            "setup": {k: v for k, v in kwargs.items() if k != "output_dir"},
+            "log": history[-1] if history else None, **gpu_peaks()}
+
+
+WORKERS = {"train": train_worker, "trl": trl_worker}
+
+
+def worker_main(kind: str, spec: dict) -> None:
+    """Run one worker (a subprocess of the suite); its last stdout line is RESULT_MARK + JSON ({"ok": ..., ...}).
+    It then leaves at once (``os._exit``): the trainer's NCCL group and DeepSpeed engine are not torn down,
+    so that no teardown can hang on the device's clock once the result is out."""
+    try:
+        res = {"ok": True, **WORKERS[kind](spec)}
+    except BaseException as exc:  # noqa: BLE001 - the parent records it
+        res = {"ok": False, "error": short(exc), "oom": is_oom(exc), "traceback": traceback.format_exc(limit=12),
+               **gpu_peaks()}
+    print(RESULT_MARK + json.dumps(res, default=str), flush=True)
+    sys.stderr.flush()
+    os._exit(0 if res["ok"] else 1)
+
+
+# =========================================================================== part: vllm
+
+
+def part_vllm(s: Suite) -> None:
+    """``python -m bench.vllm_smoke`` per size: generation tokens/s, weight sync s and GB/s, log-prob parity."""
+    if importlib.util.find_spec("vllm") is None:
+        s.record("vllm", "vllm_smoke", "unavailable", "vllm not installed")
+        return
+    if not torch.cuda.is_available():
+        s.record("vllm", "vllm_smoke", "unavailable", "needs CUDA")
+        return
+    for size in ("tiny",) if s.size == "smoke" else ("tiny", "7b"):
+        proc = s.run([sys.executable, "-m", "bench.vllm_smoke", "--size", size, "--out", str(s.dir)],
+                     {"VLLM_USE_FLASHINFER_SAMPLER": "0"})
+        record_vllm(s, size, proc)
+
+
+def record_vllm(s: Suite, size: str, proc: Proc) -> None:
+    res = proc.last_json()
+    if res is None:
+        status = "timeout" if proc.timed_out else "error"
+        s.record("vllm", f"vllm_smoke {size}", status, f"exited {proc.rc}: {proc.tail(6)}", wall_s=proc.wall_s)
+        return
+    gen_s = (res.get("engine_stats") or {}).get("generate_s")
+    tokens = ((res.get("parity_before") or {}).get("vs_bf16_policy") or {}).get("n")
+    gen_tps = tokens / gen_s if tokens and gen_s else None
+    syncs = res.get("sync_s") or []
+    gib_s = res.get("sync_gib_per_s")
+    parity = {k: res.get(k) for k in ("parity_before", "after_step", "parity_generate_after_sync")}
+    failed = [k for k, ok in (res.get("checks") or {}).items() if not ok]
+    summary = (f"{res.get('params', 0) / 1e9:.2f}B params; sync {_fmt(syncs[-1] if syncs else None, '.3f')} s "
+               f"({_fmt(res.get('sync_gib'), '.2f')} GiB, {_fmt(gib_s * GIB / 1e9 if gib_s else None, '.1f')} GB/s)"
+               + (f"; generate {gen_tps:.0f} tok/s" if gen_tps else "")
+               + (f"; parity max {res['parity_before']['vs_bf16_policy']['max']:.3f} nats"
+                  if res.get("parity_before") else ""))
+    s.record("vllm", f"vllm_smoke {size}", "ok" if res.get("ok") else "fail", "failed: " + ", ".join(failed)
+             if failed else "", summary, vllm=res.get("vllm"), generate_tokens=tokens, generate_s=gen_s,
+             generate_tokens_per_s=gen_tps, sync_s=syncs, sync2_s=res.get("sync2_s"), sync_gib=res.get("sync_gib"),
+             sync_gib_per_s=gib_s, sync_gb_per_s=gib_s * GIB / 1e9 if gib_s else None, parity=parity,
+             checks=res.get("checks"), result_json=str(s.dir / f"vllm-smoke-{size}.json"), wall_s=proc.wall_s)
+
+
+# =========================================================================== running parts, output
+
+
+PARTS = {"correctness": part_correctness, "kernels": part_kernels, "train": part_train, "vllm": part_vllm}
+
+
+def guarded(s: Suite, part: str, name: str, fn) -> None:
+    """``fn(s)``; whatever it raises becomes an error (or OOM) row named ``name`` and the run goes on."""
+    try:
+        fn(s)
+    except Exception as exc:  # noqa: BLE001
+        s.record(part, name, "OOM" if is_oom(exc) else "error", short(exc), traceback=traceback.format_exc(limit=8))
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except SystemExit as exc:  # correctness_gpu.die()
+        s.record(part, name, "error", f"exited {exc.code}")
+
+
+def run_part(s: Suite, part: str) -> None:
+    if s.left() < 30:
+        s.record(part, "part", "skipped", "the suite's --budget is spent")
+    else:
+        log(f"part {part} (size {s.size})")
+        guarded(s, part, "part", PARTS[part])
+    write_md(s.path)
+
+
+def _cell(text) -> str:
+    return " ".join(str(text).split()).replace("|", "\\|") or "—"
+
+
+def render_md(rows: list[dict], source: str = "") -> str:
+    """The summary: the last environment record, then per part the rows of the last run that ran it."""
+    envs = [r for r in rows if r.get("part") == "env"]
+    env = envs[-1] if envs else None
+    lines = [f"# GPU validation suite — {(env or {}).get('gpu_name') or 'CPU'} — {(env or {}).get('at', '')[:10]}",
+             ""]
+    if env:
+        lines += [f"Environment: {_cell(env.get('summary'))}.", "", f"Command: `{env.get('command')}`; commit "
+                  f"{env.get('commit') or 'unknown'}." + (f" Rows: `{source}`." if source else ""), ""]
+    for part in PARTS_ORDER:
+        mine = [r for r in rows if r.get("part") == part]
+        if not mine:
+            continue
+        last = [r for r in mine if r.get("run") == mine[-1].get("run")]
+        lines += [f"## {part}", "", f"run {last[0].get('run')}, size {last[0].get('size')}", "",
+                  "| measurement | status | result |", "|---|---|---|"]
+        for r in last:
+            text = r.get("summary") if r["status"] == "ok" else "; ".join(
+                x for x in (r.get("reason"), r.get("summary")) if x)
+            lines.append(f"| {_cell(r['name'])} | {r['status']} | {_cell(text)} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_md(jsonl: Path) -> Path:
+    md = jsonl.with_suffix(".md")
+    md.write_text(render_md(read_jsonl(jsonl) if jsonl.is_file() else [], str(jsonl)))
+    return md
+
+
+def print_table(rows: list[dict], width: int = 100) -> None:
+    body = [(r["part"], r["name"], r["status"], " ".join(str(r.get("summary") if r["status"] == "ok" else
+                                                             (r.get("reason") or r.get("summary"))).split()))
+            for r in rows if r["part"] != "env"]
+    w = [max([len(h)] + [len(b[i]) for b in body]) for i, h in enumerate(("part", "measurement", "status"))]
+    print(f"{'part':<{w[0]}}  {'measurement':<{w[1]}}  {'status':<{w[2]}}  result")
+    for part, name, status, text in body:
+        print(f"{part:<{w[0]}}  {name:<{w[1]}}  {status:<{w[2]}}  {text[:width] + ('…' if len(text) > width else '')}")
+
+
+# =========================================================================== CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.gpu_suite", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--part", choices=[*PARTS_ORDER, "all"], help="what to run (all: each part in turn)")
+    p.add_argument("--out", default="bench/results", help="results folder (default bench/results; on the "
+                   "device machine $OUT)")
+    p.add_argument("--size", choices=sorted(SIZE_ALIASES), default="full",
+                   help="full (= 1.5b, the GPU run) or smoke (= tiny: toy sizes, CPU too)")
+    p.add_argument("--steps", type=int, default=3, help="training steps, the first one a warm-up (default 3)")
+    p.add_argument("--timeout", type=float, default=540.0, help="seconds per subprocess (default 540)")
+    p.add_argument("--budget", type=float, default=570.0,
+                   help="seconds for the whole invocation, summary included (default 570; 0: no limit)")
+    p.add_argument("--render", metavar="JSONL", help="only write the markdown of a suite .jsonl (next to it)")
+    p.add_argument("--_worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
+    p.add_argument("--_spec", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args._worker:
+        worker_main(args._worker, json.loads(args._spec))  # does not return
+    if args.render:
+        print(write_md(Path(args.render)))
+        return 0
+    if not args.part:
+        p.error("--part is required (or --render)")
+    if args.steps < 1:
+        p.error("--steps must be >= 1")
+    s = make_suite(args)
+    env = environment(s, argv)
+    s.record("env", "environment", "ok", summary=env_summary(env), **env)
+    for part in PARTS_ORDER if args.part == "all" else (args.part,):
+        run_part(s, part)
+    print(f"rows: {s.path}\nsummary: {s.path.with_suffix('.md')}")
+    print_table(s.rows)
+    return 1 if any(r["status"] in BAD_STATUSES for r in s.rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
