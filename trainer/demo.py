@@ -41,6 +41,8 @@ class SFTConfig:
     lr: float = 3e-3
     n_problems: int = 4000
     seed: int = 0
+    # torch CPU threads while warm-starting (restored after): the model must not depend on the core count.
+    threads: int = 1
     # Styles are sampled with these weights; the mix is the entropy RL starts from.
     style_weights: tuple[float, ...] = (0.25, 0.25, 0.25, 0.25)
 
@@ -54,7 +56,20 @@ def write_task(data_dir: Path, n_train: int, n_val: int, max_ops: int, max_value
 
 
 def warm_start(out_dir: Path, data_dir: Path, scfg: SFTConfig, max_ops: int, max_value: int) -> dict:
-    """Supervised warm-start of a fresh tiny Qwen2 on worked solutions; saves an HF model dir."""
+    """Supervised warm-start of a fresh tiny Qwen2 on worked solutions; saves an HF model dir. Runs on
+    ``scfg.threads`` torch threads, so the model is the same on any machine."""
+    import torch
+
+    threads_before = torch.get_num_threads()
+    if scfg.threads > 0:
+        torch.set_num_threads(scfg.threads)
+    try:
+        return _warm_start(out_dir, data_dir, scfg, max_ops, max_value)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _warm_start(out_dir: Path, data_dir: Path, scfg: SFTConfig, max_ops: int, max_value: int) -> dict:
     import torch
 
     from fastcov.trainer import synthetic
@@ -205,8 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         sft = {"sft_seconds": 0.0, "sft_steps": "reused"}
     else:
         print(f"[demo] warm-start: supervised training of a tiny Qwen2 ({args.sft_steps} steps)", flush=True)
-        sft = warm_start(sft_dir, data_dir, SFTConfig(steps=args.sft_steps, style_weights=style_weights),
-                         args.max_ops, args.max_value)
+        sft = warm_start(sft_dir, data_dir, SFTConfig(steps=args.sft_steps, style_weights=style_weights,
+                                                      threads=args.threads), args.max_ops, args.max_value)
         print(f"[demo] warm-start done: loss {sft['sft_loss']:.3f} in {sft['sft_seconds']:.0f}s", flush=True)
 
     cfgs = {}
