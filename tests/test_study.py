@@ -82,3 +82,15 @@ def test_multi_seed_study_reports_intervals_and_the_law(tmp_path):
     assert rc == 0 and (tmp_path / "report.md").read_text() == text
     assert (tmp_path / "grpo" / "seed0" / "metrics.jsonl").read_text() == metrics_before
     assert main([str(study_file), "--out", str(tmp_path / "none"), "--seeds", "0", "--report-only"]) == 2
+
+
+def test_last_step_reads_the_newest_complete_row_of_this_run(tmp_path):
+    import time
+
+    from fastcov.trainer.study import _last_step
+
+    m = tmp_path / "metrics.jsonl"
+    assert _last_step(m, 0.0) == 0  # not written yet
+    m.write_text('{"step": 0}\n{"step": 1, "entropy": 0.3}\n{"step": 2, "ent')  # a torn last line
+    assert _last_step(m, 0.0) == 1
+    assert _last_step(m, time.time() + 60) == 0  # older than the watch: an earlier run's file

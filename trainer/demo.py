@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     jobs = args.jobs if args.jobs > 0 else len(algos)
     print(f"[demo] training {', '.join(algos)} ({jobs} at a time)", flush=True)
     # a second `make demo` moves the previous runs aside (runs/demo/<algo>.old-<time>), never deletes them
-    done, timings = train_runs([(a, None) for a in algos], cfgs, False, jobs, train)
+    done, timings = train_runs([(a, None) for a in algos], cfgs, False, jobs, train, tag="demo")
     run_dirs = [done[(a, None)] for a in algos]
 
     from fastcov.trainer.report import summarize
