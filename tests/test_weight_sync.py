@@ -221,7 +221,7 @@ def _zero3_worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
     cfg = load_config(ROOT / "configs" / "tiny.yaml", [
         f"trainer.run_dir={out_dir}/run", "trainer.zero_stage=3", "trainer.device=cpu",
-        "rollout.sync_bucket_mb=0.02"])
+        "rollout.sync_bucket_mb=0.02", "rollout.hf_copies=rank"])  # every rank's copy is checked
     device = torch.device("cpu")
     rank, world = init_distributed(device)
     torch.manual_seed(0)
