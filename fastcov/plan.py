@@ -209,15 +209,23 @@ def plan_recipe(cfg, gpus: int = 8, gpu_memory_gib: float = 80.0, workspace_mb: 
     (weights over its tensor-parallel group and KV cache inside that share) and keeps
     ``VLLM_SLEEP_RESIDUE_GIB`` while the policy trains; the HF engine shares the policy's weights under
     ZeRO 0-2 and keeps its own bf16 copy under ZeRO-3, with a KV cache of ``rollout.token_budget``
-    tokens (or micro_token_budget when that is 0); with ``rollout.hf_copies: node`` only the first GPU of
-    each node holds it, and the plan is that GPU's (the busiest). The policy's resident state (parameters, gradients,
-    optimizer states) stays on the GPU during rollouts.
+    tokens, or, when that is 0 (no limit), of every sequence it samples at once: the rank's prompts × n ×
+    (max_prompt_len + max_new_tokens), times the ranks of a node (at most 8) when one copy samples for
+    the node. With ``rollout.hf_copies: node`` only the first GPU of each node holds the copy, and the
+    plan is that GPU's (the busiest). The policy's resident state (parameters, gradients, optimizer
+    states) stays on the GPU during rollouts.
     """
     t, r = cfg.trainer, cfg.rollout
+    kv_tokens = r.token_budget or t.micro_token_budget
+    if r.engine == "hf" and not r.token_budget:
+        rows = -(-t.prompts_per_step // gpus) * r.n
+        if t.zero_stage == 3 and getattr(r, "hf_copies", "node") == "node":
+            rows *= min(gpus, 8)
+        kv_tokens = rows * (cfg.data.max_prompt_len + r.max_new_tokens)
     plan = plan_memory(model_shape_of(cfg.model), gpus=gpus, tokens_per_gpu=t.micro_token_budget,
                        zero_stage=t.zero_stage, gpu_memory_gib=gpu_memory_gib,
                        rollout_tp=r.vllm_tensor_parallel_size if r.engine == "vllm" else 1,
-                       kv_tokens_per_gpu=r.token_budget or t.micro_token_budget,
+                       kv_tokens_per_gpu=kv_tokens,
                        gradient_checkpointing=cfg.model.gradient_checkpointing,
                        offload_optimizer=t.offload_optimizer, workspace_mb=workspace_mb)
     if r.engine == "vllm" and r.vllm_mode == "colocated":

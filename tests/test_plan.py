@@ -127,3 +127,11 @@ def test_plan_of_a_recipe_changes_with_it(tmp_path):
     assert plan_recipe(load_config(path, ["trainer.offload_optimizer=false"]), gpus=32).fits()
     hf = plan_recipe(load_config(path, ["rollout.engine=hf"]), gpus=8)
     assert hf.rollout_engine == "hf-copy" and hf.rollout_during_training == 2 * hf.num_parameters
+    # the HF engine's KV cache: rollout.token_budget tokens, or with no budget every sequence sampled at once
+    cfg = load_config(path, ["rollout.engine=hf"])
+    per_token = hf.rollout_kv_cache / (cfg.trainer.prompts_per_step // 8 * cfg.rollout.n * 8
+                                       * (cfg.data.max_prompt_len + cfg.rollout.max_new_tokens))
+    budgeted = plan_recipe(load_config(path, ["rollout.engine=hf", "rollout.token_budget=65536"]), gpus=8)
+    assert budgeted.rollout_kv_cache == pytest.approx(65536 * per_token)
+    per_rank = plan_recipe(load_config(path, ["rollout.engine=hf", "rollout.hf_copies=rank"]), gpus=8)
+    assert per_rank.rollout_kv_cache == pytest.approx(hf.rollout_kv_cache / 8)
