@@ -219,7 +219,7 @@ def plan_recipe(cfg, gpus: int = 8, gpu_memory_gib: float = 80.0, workspace_mb: 
     kv_tokens = r.token_budget or t.micro_token_budget
     if r.engine == "hf" and not r.token_budget:
         rows = -(-t.prompts_per_step // gpus) * r.n
-        if t.zero_stage == 3 and getattr(r, "hf_copies", "node") == "node":
+        if t.zero_stage == 3 and r.hf_copies == "node":
             rows *= min(gpus, 8)
         kv_tokens = rows * (cfg.data.max_prompt_len + r.max_new_tokens)
     plan = plan_memory(model_shape_of(cfg.model), gpus=gpus, tokens_per_gpu=t.micro_token_budget,

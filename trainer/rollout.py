@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fastcov.trainer.weight_sync import iter_named
+from fastcov.trainer.weight_sync import drain, iter_named
 
 
 @dataclass
@@ -170,8 +170,7 @@ class HFRolloutEngine(RolloutEngine):
         Sharing the policy's module, there is nothing to copy; the iterable is still consumed, since a
         ZeRO-3 producer expects every rank to walk it to the end."""
         if self.shares_policy:
-            for _ in iter_named(named_tensors):
-                pass
+            drain(named_tensors)
             return
         own = dict(self.model.named_parameters())
         own.update(dict(self.model.named_buffers()))
@@ -300,8 +299,7 @@ class NodeRolloutEngine(RolloutEngine):
         if self.engine is not None:
             self.engine.update_weights(named_tensors)
         else:
-            for _ in iter_named(named_tensors):
-                pass
+            drain(named_tensors)
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams,
                  generator: torch.Generator | None = None) -> RolloutBatch:
@@ -362,16 +360,15 @@ def make_rollout_engine(cfg, model: nn.Module, tokenizer, *, device: torch.devic
             return HFRolloutEngine(model, eos_ids, tokenizer.pad_token_id, r.batch_size, r.token_budget,
                                    shares_policy=True)
         use_bf16 = device.type == "cuda" and cfg.model.dtype != "fp32"
-        dtype = torch.bfloat16 if use_bf16 else torch.float32
-        if r.hf_copies == "rank" or world == 1:
-            lm = rollout_copy(model.config, device, dtype)
+
+        def own_copy() -> HFRolloutEngine:
+            lm = rollout_copy(model.config, device, torch.bfloat16 if use_bf16 else torch.float32)
             return HFRolloutEngine(lm, eos_ids, tokenizer.pad_token_id, r.batch_size, r.token_budget)
+
+        if r.hf_copies == "rank" or world == 1:
+            return own_copy()
         group, ranks = node_group(rank, world)
-        engine = None
-        if rank == ranks[0]:
-            engine = HFRolloutEngine(rollout_copy(model.config, device, dtype), eos_ids, tokenizer.pad_token_id,
-                                     r.batch_size, r.token_budget)
-        return NodeRolloutEngine(engine, group, ranks, device)
+        return NodeRolloutEngine(own_copy() if rank == ranks[0] else None, group, ranks, device)
     if r.engine == "vllm":
         from fastcov.trainer.rollout_vllm import make_vllm_engine
 

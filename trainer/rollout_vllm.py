@@ -64,7 +64,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fastcov.trainer.rollout import RolloutBatch, RolloutEngine, SamplingParams, finish_rollouts, split_evenly
-from fastcov.trainer.weight_sync import as_buckets, bucket_bytes_from_mb, iter_buckets
+from fastcov.trainer.weight_sync import as_buckets, bucket_bytes_from_mb, drain, iter_buckets
 
 SUPPORTED = ">=0.26,<0.34"
 _MIN, _BELOW = (0, 26), (0, 34)
@@ -525,8 +525,7 @@ class VLLMServerEngine(RolloutEngine):
         if self.sender is not None:
             self.sender.sync(named_tensors)
         else:
-            for _ in named_tensors:  # ZeRO-3 gathers are collectives: take part, send nothing
-                pass
+            drain(named_tensors)  # ZeRO-3 gathers are collectives: take part, send nothing
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized() and self.world > 1:

@@ -118,10 +118,11 @@ def main(argv: list[str] | None = None) -> int:
             data_dir, sft_dir = out / "data", out / "sft"
             if not args.report_only:
                 demo.write_task(data_dir, args.n_train, args.n_val, 2, 9, seed=0)
-            if not args.report_only and not (args.reuse_sft and (sft_dir / "model" / "config.json").exists()):
-                steps = args.sft_steps if args.sft_steps is not None else demo.SFTConfig.steps
-                print(f"[study] warm-start: supervised training of the demo's tiny Qwen2 ({steps} steps)", flush=True)
-                demo.warm_start(sft_dir, data_dir, demo.SFTConfig(steps=steps), 2, 9)
+                if not (args.reuse_sft and (sft_dir / "model" / "config.json").exists()):
+                    steps = args.sft_steps if args.sft_steps is not None else demo.SFTConfig.steps
+                    print(f"[study] warm-start: supervised training of the demo's tiny Qwen2 ({steps} steps)",
+                          flush=True)
+                    demo.warm_start(sft_dir, data_dir, demo.SFTConfig(steps=steps), 2, 9)
             setup = [f"model.path={sft_dir / 'model'}", f"data.train_files=[{data_dir / 'train.parquet'}]",
                      f"data.val_files=[{data_dir / 'val.parquet'}]"]
         seeds = study.get("seeds", [None])

@@ -225,6 +225,13 @@ def iter_named(items: Iterable) -> Iterator[tuple[str, torch.Tensor]]:
             yield name, tensor
 
 
+def drain(items: Iterable) -> None:
+    """Walk a weight update to its end without keeping anything: a rank that copies nothing must still
+    take part in a ZeRO-3 producer's gathers, which are collectives."""
+    for _ in items:
+        pass
+
+
 def as_buckets(items: Iterable) -> Iterator[Bucket]:
     """A weight update as Buckets: Buckets pass through, each (name, tensor) pair becomes a one-tensor
     bucket (a per-tensor producer may release a tensor once the next is asked for, so pairs are never
