@@ -51,6 +51,22 @@ def set_malloc_mode(mode: str) -> bool:
         return False
 
 
+# --------------------------------------------------------------------------- results
+
+
+def append_jsonl(path, row: dict, default: Callable | None = None) -> None:
+    """One JSON line appended to ``path``, flushed and fsynced (a run killed later keeps it)."""
+    import json
+    from pathlib import Path
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(row, default=default) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
 # --------------------------------------------------------------------------- device / environment
 
 

@@ -96,15 +96,6 @@ def is_oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
 
-def append_row(path: Path, row: dict) -> None:
-    """One JSON line, flushed and fsynced (a run killed later keeps it)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        f.write(json.dumps(row, default=str) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
 # =========================================================================== subprocesses
 
 
@@ -201,7 +192,7 @@ class Suite:
         row = {"run": self.run_id, "part": part, "name": name, "status": status, "reason": reason,
                "summary": summary, "size": self.size, "gpu": self.gpu,
                "at": _dt.datetime.now().isoformat(timespec="seconds"), **fields}
-        append_row(self.path, row)
+        M.append_jsonl(self.path, row, default=str)
         self.rows.append(row)
         log(f"{part} / {name}: {status} {summary or reason}".rstrip())
         return row

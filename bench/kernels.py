@@ -737,14 +737,6 @@ def jsonl_path(out_dir: Path, env: dict, date: str) -> Path:
     return out_dir / env["device_slug"] / f"kernels-{date}.jsonl"
 
 
-def append_jsonl(path: Path, row: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        f.write(json.dumps(row) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def case_line(case: dict, preset: str, matmul: dict, env: dict, command: str, date: str) -> dict:
     """A self-contained JSON line: the case, its shape's cuBLAS floor, the device and the versions."""
     floor = (matmul.get(f'{case["group"]}/{case["n"]}') or {}).get("floor") or {}
@@ -890,7 +882,7 @@ def main(argv: list[str] | None = None) -> int:
         matmul_seen: dict = {}
 
         def on_case(row, name=name, matmul_seen=matmul_seen):
-            append_jsonl(lines_path, case_line(row, name, matmul_seen, env, cmd.strip(), date))
+            M.append_jsonl(lines_path, case_line(row, name, matmul_seen, env, cmd.strip(), date))
 
         run = run_preset(name, args, device, on_case=on_case, matmul_out=matmul_seen)
         run.update(command=cmd.strip(), started=started, wall_s=time.perf_counter() - t0, env=env)

@@ -113,18 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         setup: list[str] = []
         t_start = time.perf_counter()
         if study.get("setup") == "demo":
-            from fastcov.trainer import demo
-
-            data_dir, sft_dir = out / "data", out / "sft"
-            if not args.report_only:
-                demo.write_task(data_dir, args.n_train, args.n_val, 2, 9, seed=0)
-                if not (args.reuse_sft and (sft_dir / "model" / "config.json").exists()):
-                    steps = args.sft_steps if args.sft_steps is not None else demo.SFTConfig.steps
-                    print(f"[study] warm-start: supervised training of the demo's tiny Qwen2 ({steps} steps)",
-                          flush=True)
-                    demo.warm_start(sft_dir, data_dir, demo.SFTConfig(steps=steps), 2, 9)
-            setup = [f"model.path={sft_dir / 'model'}", f"data.train_files=[{data_dir / 'train.parquet'}]",
-                     f"data.val_files=[{data_dir / 'val.parquet'}]"]
+            setup = _demo_setup(out, args)
         seeds = study.get("seeds", [None])
         if args.seeds:
             try:
@@ -167,6 +156,22 @@ def main(argv: list[str] | None = None) -> int:
     print(report.read_text())
     print(f"[study] report: {report}")
     return 0
+
+
+def _demo_setup(out: Path, args) -> list[str]:
+    """``setup: demo``: the demo's task and warm-start model in ``out`` (nothing written with
+    --report-only; an existing model kept with --reuse-sft), and the overrides that point every arm at them."""
+    from fastcov.trainer import demo
+
+    data_dir, sft_dir = out / "data", out / "sft"
+    if not args.report_only:
+        demo.write_task(data_dir, args.n_train, args.n_val, 2, 9, seed=0)
+        if not (args.reuse_sft and (sft_dir / "model" / "config.json").exists()):
+            steps = args.sft_steps if args.sft_steps is not None else demo.SFTConfig.steps
+            print(f"[study] warm-start: supervised training of the demo's tiny Qwen2 ({steps} steps)", flush=True)
+            demo.warm_start(sft_dir, data_dir, demo.SFTConfig(steps=steps), 2, 9)
+    return [f"model.path={sft_dir / 'model'}", f"data.train_files=[{data_dir / 'train.parquet'}]",
+            f"data.val_files=[{data_dir / 'val.parquet'}]"]
 
 
 def _previous_times(out: Path) -> tuple[float | None, dict[str, float]]:
