@@ -60,5 +60,9 @@ def test_study_tables_say_whether_the_gap_excludes_zero():
     assert f"kl_cov − grpo, final entropy: {gap['mean']:.3f} ± {gap['ci95']:.3f}" in text and "; pass@8: " in text
     assert summary["start"]["pass@8"]["mean"] == pytest.approx(0.91, abs=1e-9)
     assert "the start model (step 0, every run's first evaluation): pass@8 0.910 ± " in text
+    # every run's pass@8 is ~0.8 after a start of 0.90-0.92: the change is negative and stated with its interval
+    change = summary["arms"]["grpo"]["pass@8_change"]
+    assert change["mean"] == pytest.approx(0.8 - 0.91, abs=0.015) and change["ci95"] > 0
+    assert f"- grpo, end − start of the same run: pass@8 {change['mean']:.3f} ± {change['ci95']:.3f} (the interval excludes 0)" in text
     same = {"grpo": numbers["grpo"], "kl_cov": [_run(0.4, 0.15, 0.8, seed=20 + s) for s in range(3)]}
     assert not study_tables(same, 8)[1]["arms"]["kl_cov"]["entropy_gap"]["excludes_zero"]

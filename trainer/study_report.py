@@ -209,6 +209,7 @@ def study_tables(numbers: dict[str, list[dict[str, Any]]], pass_k: int,
                             f"mean@{pass_k}": {"mean": sm[0], "ci95": sm[1]}}
         lines.append(f"- the start model (step 0, every run's first evaluation): pass@{pass_k} {_cell(*sp)}, "
                      f"mean@{pass_k} {_cell(*sm)}.")
+        lines += _changes_from_start(numbers, pass_k, summary)
     lines += ["", "Which tokens the covariance methods acted on (means over steps and seeds):", "",
               "| arm | tokens per update | share with A > 0 | mean p | mean c_t |", "|---|---:|---:|---:|---:|"]
     for arm, runs in numbers.items():
@@ -235,6 +236,26 @@ def study_tables(numbers: dict[str, list[dict[str, Any]]], pass_k: int,
             if x and "error" in x:
                 lines.append(f"- a seed could not be fitted: {x['error']}")
     return lines, summary
+
+
+def _changes_from_start(numbers: dict[str, list[dict[str, Any]]], pass_k: int, summary: dict[str, Any]) -> list[str]:
+    """Per arm, what RL did to pass@k and mean@k: the end minus the start of the same run (so the pairs share
+    a seed), mean ± t-interval across seeds. A pass@k that falls while mean@k rises is a policy that solves
+    its usual problems more reliably and fewer problems in all."""
+    lines = []
+    for arm, runs in numbers.items():
+        paired = [r for r in runs if None not in (r.get(f"pass@{pass_k}"), r.get(f"start_pass@{pass_k}"),
+                                                   r.get(f"mean@{pass_k}"), r.get(f"start_mean@{pass_k}"))]
+        if not paired:
+            continue
+        dp = mean_ci([r[f"pass@{pass_k}"] - r[f"start_pass@{pass_k}"] for r in paired])
+        dm = mean_ci([r[f"mean@{pass_k}"] - r[f"start_mean@{pass_k}"] for r in paired])
+        verdict = "excludes" if dp[1] is not None and abs(dp[0]) > dp[1] else "includes"
+        summary["arms"][arm][f"pass@{pass_k}_change"] = {"mean": dp[0], "ci95": dp[1]}
+        summary["arms"][arm][f"mean@{pass_k}_change"] = {"mean": dm[0], "ci95": dm[1]}
+        lines.append(f"- {arm}, end − start of the same run: pass@{pass_k} {_cell(*dp)} (the interval {verdict} 0), "
+                     f"mean@{pass_k} {_cell(*dm)}.")
+    return lines
 
 
 def plot_bands(numbers: dict[str, list[dict[str, Any]]], path: Path) -> Path | None:
