@@ -136,12 +136,12 @@ def verdict(summaries: list[dict]) -> str:
         h0 = g["first_entropy"]
         lines.append(f"- GRPO entropy went {h0:.3f} → {g['final_entropy']:.3f} nats/token "
                      f"({'collapsed' if g['final_entropy'] < 0.5 * h0 else 'did not collapse'} "
-                     f"by the 'below half of the start' yardstick).")
+                     f"by the 'below half of the start' yardstick; end = the mean of the last 10% of steps).")
         for name in ("clip_cov", "kl_cov"):
             s = by.get(name)
             if s and s["final_entropy"] is not None and g["final_entropy"] > 0:
                 ratio = s["final_entropy"] / g["final_entropy"]
-                lines.append(f"- {name} final entropy {s['final_entropy']:.3f} = {ratio:.2f}× GRPO's "
+                lines.append(f"- {name} end entropy {s['final_entropy']:.3f} = {ratio:.2f}× GRPO's "
                              f"({'higher' if ratio > 1.1 else 'not clearly higher'}).")
         for s in summaries:
             if s["final_val_acc"] is not None:
@@ -176,7 +176,7 @@ def _parser() -> argparse.ArgumentParser:
 def print_summary(summaries: list[dict]) -> None:
     """The table `make demo` prints (entropy, validation accuracy, the fitted law) and the verdict."""
     print("\n[demo] summary")
-    print(f"{'algo':<10} {'entropy first→final':>22} {'val acc init→final':>20} {'fit a, b, R², ceiling':>34}")
+    print(f"{'algo':<10} {'entropy first→end':>22} {'val acc init→final':>20} {'fit a, b, R², ceiling':>34}")
     for s in summaries:
         law = s["law"]
         fit = (f"{law.a:.3g}, {law.b:.3g}, {law.r2:.2f}, {law.ceiling:.3f}" if law else "n/a")
