@@ -26,6 +26,19 @@ def test_study_file_carries_the_paper_values():
     assert sched.step(entropy=0.1) == pytest.approx(0.0)  # H < delta: it shrinks, clipped at 0
 
 
+def test_study_contrasts_name_two_of_its_arms(tmp_path):
+    from fastcov.cli import UserError
+    from fastcov.trainer.study import load_study
+
+    study = load_study(ROOT / "configs" / "studies" / "entropy-control.yaml")
+    assert "kl_cov - kl_cov_random" in study["contrasts"]
+    for bad in ('["kl_cov - nope"]', '["kl_cov"]', "[3]"):
+        path = tmp_path / "s.yaml"
+        path.write_text(f"arms: {{kl_cov: [algo.mode=kl_cov], grpo: [algo.mode=vanilla]}}\ncontrasts: {bad}\n")
+        with pytest.raises(UserError, match="contrasts"):
+            load_study(path)
+
+
 @pytest.mark.slow
 def test_study_runs_three_arms_and_reports(tmp_path):
     pytest.importorskip("deepspeed")

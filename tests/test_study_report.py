@@ -64,5 +64,12 @@ def test_study_tables_say_whether_the_gap_excludes_zero():
     change = summary["arms"]["grpo"]["pass@8_change"]
     assert change["mean"] == pytest.approx(0.8 - 0.91, abs=0.015) and change["ci95"] > 0
     assert f"- grpo, end − start of the same run: pass@8 {change['mean']:.3f} ± {change['ci95']:.3f} (the interval excludes 0)" in text
+    # a contrast between two arms is stated like the gaps to GRPO, under its own key
+    with_control = dict(numbers, kl_cov_random=[_run(0.4, 0.25, 0.8, seed=30 + s) for s in range(3)])
+    lines2, summary2 = study_tables(with_control, 8, contrasts=[("kl_cov", "kl_cov_random")])
+    c = summary2["arms"]["kl_cov"]["entropy_gap_vs_kl_cov_random"]
+    assert c["mean"] == pytest.approx(0.1, abs=0.04) and c["excludes_zero"]
+    assert summary2["arms"]["kl_cov"]["entropy_gap"] == gap  # the gap to GRPO is unchanged
+    assert f"- kl_cov − kl_cov_random, final entropy: {c['mean']:.3f} ± {c['ci95']:.3f}" in "\n".join(lines2)
     same = {"grpo": numbers["grpo"], "kl_cov": [_run(0.4, 0.15, 0.8, seed=20 + s) for s in range(3)]}
     assert not study_tables(same, 8)[1]["arms"]["kl_cov"]["entropy_gap"]["excludes_zero"]

@@ -18,7 +18,8 @@ A study file (YAML)::
 ``seeds: [0, 1, 2]`` trains every arm once per seed (``trainer.seed``; run directories ``<out>/<arm>/seed<s>``)
 and reports mean ± 95% confidence intervals across seeds, the gap of each arm to ``grpo`` with its interval,
 the selection diagnostics, the entropy law's 15% holdout on ``grpo`` and ``entropy_bands.png``
-(``trainer/study_report.py``); ``pass_k`` (default 8) picks the pass@k column. ``setup: demo`` runs steps
+(``trainer/study_report.py``); ``pass_k`` (default 8) picks the pass@k column; ``contrasts: ["kl_cov -
+kl_cov_random"]`` adds those arm-to-arm gaps (an arm against its control). ``setup: demo`` runs steps
 1-2 of ``make demo`` into ``<out>/data`` and ``<out>/sft`` (``--reuse-sft`` keeps
 an existing warm-start model) and points every arm at them; ``setup: none`` leaves model and data to the
 base config and overrides. Command-line KEY=VALUE overrides apply to every arm, after the study's own.
@@ -48,9 +49,9 @@ def load_study(path: str | Path) -> dict:
     if not isinstance(data, dict) or not isinstance(data.get("arms"), dict) or not data["arms"]:
         raise UserError(f"{p}: a study needs 'arms', a mapping of name -> list of KEY=VALUE overrides")
     for key in data:
-        if key not in ("title", "base", "out", "setup", "common", "arms", "notes", "seeds", "pass_k"):
+        if key not in ("title", "base", "out", "setup", "common", "arms", "notes", "seeds", "pass_k", "contrasts"):
             raise UserError(f"{p}: unknown study key {key!r} (title, base, out, setup, common, arms, notes, "
-                            "seeds, pass_k)")
+                            "seeds, pass_k, contrasts)")
     seeds = data.get("seeds", [None])
     if not isinstance(seeds, list) or not seeds or not all(s is None or (isinstance(s, int) and s >= 0) for s in seeds):
         raise UserError(f"{p}: seeds must be a non-empty list of non-negative ints, got {seeds!r}")
@@ -59,6 +60,10 @@ def load_study(path: str | Path) -> dict:
     for name, over in data["arms"].items():
         if not isinstance(over, list) or not all(isinstance(o, str) and "=" in o for o in over):
             raise UserError(f"{p}: arms.{name} must be a list of KEY=VALUE strings")
+    for c in data.get("contrasts") or []:
+        pair = [x.strip() for x in c.split(" - ")] if isinstance(c, str) else []
+        if len(pair) != 2 or not all(x in data["arms"] for x in pair):
+            raise UserError(f"{p}: contrasts entries are 'ARM - ARM' with both arms in 'arms', got {c!r}")
     return data
 
 
@@ -293,7 +298,8 @@ def _seed_report(study, args, out: Path, base: str, arms, seeds, run_dirs, timin
 
     pass_k = int(study.get("pass_k", 8))
     numbers = {a: [run_numbers(run_dirs[(a, sd)], pass_k) for sd in seeds] for a in arms}
-    lines, summary = study_tables(numbers, pass_k)
+    contrasts = [tuple(x.strip() for x in c.split(" - ")) for c in study.get("contrasts") or []]
+    lines, summary = study_tables(numbers, pass_k, contrasts=[c for c in contrasts if all(a in numbers for a in c)])
     plot = plot_bands(numbers, out / "entropy_bands.png")
     head = [f"# {study.get('title', 'fastcov study')}", "",
             f"Study `{os.path.relpath(args.study)}` on `{os.path.relpath(base)}`, seeds {seeds}; wall time "

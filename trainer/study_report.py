@@ -160,11 +160,12 @@ def _cell(mean: float | None, half: float | None, spec: str = ".3f") -> str:
     return f"{mean:{spec}}" + (f" ± {half:{spec}}" if half is not None else "")
 
 
-def study_tables(numbers: dict[str, list[dict[str, Any]]], pass_k: int,
-                 baseline: str = "grpo") -> tuple[list[str], dict[str, Any]]:
+def study_tables(numbers: dict[str, list[dict[str, Any]]], pass_k: int, baseline: str = "grpo",
+                 contrasts: Sequence[tuple[str, str]] = ()) -> tuple[list[str], dict[str, Any]]:
     """Markdown lines and a summary dict: per arm mean ± 95% CI across seeds; each arm's entropy and
     pass@k gaps to the baseline with Welch's intervals; pass@k / mean@k of the start model; selection
-    diagnostics; the law holdout of the baseline."""
+    diagnostics; the law holdout of the baseline. ``contrasts`` adds (arm, other) gaps the same way, e.g. an arm
+    against its control."""
     keys = ("start_entropy", "final_entropy", "final_val_acc", f"pass@{pass_k}", f"mean@{pass_k}")
     lines = ["| arm | seeds | entropy start | entropy end | entropy end ÷ GRPO's | val acc end | "
              f"pass@{pass_k} | mean@{pass_k} |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -185,21 +186,21 @@ def study_tables(numbers: dict[str, list[dict[str, Any]]], pass_k: int,
              "—" if ratio is None else f"{ratio:.2f}×", _cell(*stats["final_val_acc"]),
              _cell(*stats[f"pass@{pass_k}"]), _cell(*stats[f"mean@{pass_k}"])]) + " |")
     lines.append("")
-    for arm in numbers:
-        if arm == baseline or baseline not in numbers:
-            continue
-        gap, half = diff_ci([n["final_entropy"] for n in numbers[arm]], base_end)
-        summary["arms"][arm]["entropy_gap"] = {"mean": gap, "ci95": half,
-                                               "excludes_zero": half is not None and abs(gap) > half}
-        acc = [[n.get(f"pass@{pass_k}") for n in numbers[x]] for x in (arm, baseline)]
+    pairs = [(arm, baseline) for arm in numbers if arm != baseline and baseline in numbers] + list(contrasts)
+    for arm, other in pairs:
+        gap, half = diff_ci([n["final_entropy"] for n in numbers[arm]], [n["final_entropy"] for n in numbers[other]])
+        entry = {"mean": gap, "ci95": half, "excludes_zero": half is not None and abs(gap) > half}
+        key = "" if other == baseline else f"_vs_{other}"
+        summary["arms"][arm]["entropy_gap" + key] = entry
+        acc = [[n.get(f"pass@{pass_k}") for n in numbers[x]] for x in (arm, other)]
         pass_line = ""
         if all(v is not None for vs in acc for v in vs):
             pgap, phalf = diff_ci(*acc)
-            summary["arms"][arm][f"pass@{pass_k}_gap"] = {"mean": pgap, "ci95": phalf}
+            summary["arms"][arm][f"pass@{pass_k}_gap" + key] = {"mean": pgap, "ci95": phalf}
             pverdict = "excludes" if phalf is not None and abs(pgap) > phalf else "includes"
             pass_line = f"; pass@{pass_k}: {_cell(pgap, phalf)} (the interval {pverdict} 0)"
-        verdict = "excludes" if half is not None and abs(gap) > half else "includes"
-        lines.append(f"- {arm} − {baseline}, final entropy: {_cell(gap, half)} nats/token "
+        verdict = "excludes" if entry["excludes_zero"] else "includes"
+        lines.append(f"- {arm} − {other}, final entropy: {_cell(gap, half)} nats/token "
                      f"(the interval {verdict} 0){pass_line}.")
     starts = [r for runs in numbers.values() for r in runs if r.get(f"start_pass@{pass_k}") is not None]
     if starts:
