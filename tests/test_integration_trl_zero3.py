@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 import pytest
-from _dist import free_port, shutdown_process_group
+from _dist import free_port, shutdown_process_group, spawn_ranks
 
 pytest.importorskip("trl")
 pytest.importorskip("deepspeed")
@@ -154,7 +154,6 @@ def _worker(rank: int, world: int, port: int, model_dirs: dict, out_dir: str) ->
 
 @pytest.mark.slow
 def test_zero3_loss_and_update_equal_trl(tmp_path):
-    import torch.multiprocessing as mp
     from test_integration_trl import tiny_model
 
     model_dirs = {}
@@ -166,7 +165,7 @@ def test_zero3_loss_and_update_equal_trl(tmp_path):
         assert (model.get_output_embeddings().weight is model.get_input_embeddings().weight) == tied
         model_dirs[model_kind] = str(tmp_path / model_kind)
         model.save_pretrained(model_dirs[model_kind])
-    mp.spawn(_worker, args=(WORLD, free_port(), model_dirs, str(tmp_path)), nprocs=WORLD, join=True)
+    spawn_ranks(_worker, (WORLD, free_port(), model_dirs, str(tmp_path)), WORLD)
     for rank in range(WORLD):
         res = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert "error" not in res, f"rank {rank}:\n{res['error']}"

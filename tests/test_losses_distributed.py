@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from _dist import free_port as _free_port
+from _dist import spawn_ranks
 
 from fastcov.covariance import token_covariance
 from fastcov.losses import LossConfig, compute_global_selection, policy_loss
@@ -124,7 +124,7 @@ def _concat(values):
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 def test_two_gloo_ranks_equal_one_process_on_the_concatenated_batch(tmp_path):
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD_SIZE, join=True)
+    spawn_ranks(_worker, (_free_port(), str(tmp_path)), WORLD_SIZE)
     per_rank = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(WORLD_SIZE)]
     distributed = _concat(per_rank)
     single = _compute_all(_full_batch(), None, GENERATOR_SEED, microbatches=1)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _dist import free_port, shutdown_process_group
+from _dist import free_port, shutdown_process_group, spawn_ranks
 
 pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")
@@ -118,7 +118,6 @@ def _worker(rank, world, port, out_dir, model_dir):
 
 @pytest.mark.slow
 def test_zero3_loads_partitioned_and_steps_like_the_unsharded_run(tmp_path):
-    import torch.multiprocessing as mp
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from fastcov.trainer.config import ModelConfig
@@ -136,7 +135,7 @@ def test_zero3_loads_partitioned_and_steps_like_the_unsharded_run(tmp_path):
         big = AutoModelForCausalLM.from_config(AutoConfig.for_model(arch.pop("model_type"), vocab_size=len(tok), **arch))
     big_bytes = sum(p.numel() for p in big.parameters()) * 4
 
-    mp.spawn(_worker, args=(2, free_port(), str(tmp_path), str(model_dir)), nprocs=2, join=True)
+    spawn_ranks(_worker, (2, free_port(), str(tmp_path), str(model_dir)), 2)
 
     for rank in range(2):
         res = json.loads((tmp_path / f"rank{rank}.json").read_text())

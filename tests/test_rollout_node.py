@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from _dist import free_port, shutdown_process_group
+from _dist import free_port, shutdown_process_group, spawn_ranks
 
 pytest.importorskip("transformers")
 pytest.importorskip("deepspeed")
@@ -75,9 +75,8 @@ def _reference(calls_by_rank, ranks, seed):
 @pytest.mark.slow
 @pytest.mark.parametrize("per_rank_node", [False, True], ids=["one-node", "two-nodes"])
 def test_node_rollout_engine_two_processes(tmp_path, per_rank_node):
-    import torch.multiprocessing as mp
 
-    mp.spawn(_worker, args=(2, free_port(), str(tmp_path), per_rank_node), nprocs=2, join=True)
+    spawn_ranks(_worker, (2, free_port(), str(tmp_path), per_rank_node), 2)
     res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     calls = {r: res[r]["calls"] for r in range(2)}
     for r in range(2):

@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from _dist import free_port
+from _dist import free_port, spawn_ranks
 
 pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,7 +70,7 @@ def _worker(rank, port, out_dir):
 @pytest.mark.slow
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 def test_two_ranks_equal_one_process(tmp_path):
-    mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_worker, (free_port(), str(tmp_path)), 2)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     single = _compute(_seqs())
     for name in ("prime", "rpp"):

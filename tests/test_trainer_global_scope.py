@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from _dist import free_port as _free_port
-from _dist import shutdown_process_group
+from _dist import shutdown_process_group, spawn_ranks
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 pytest.importorskip("deepspeed")
@@ -157,13 +157,12 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    import torch.multiprocessing as mp
 
     out = tmp_path_factory.mktemp("global_scope")
     _rollouts(out / "rollouts.pt")
     # 1 rank, whole batch, one micro-batch per mini-batch: in its own process too (same thread count)
-    mp.spawn(_worker_single, args=(_free_port(), str(out)), nprocs=1, join=True)
-    mp.spawn(_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
+    spawn_ranks(_worker_single, (_free_port(), str(out)), 1)
+    spawn_ranks(_worker, (2, _free_port(), str(out)), 2)
     return out
 
 

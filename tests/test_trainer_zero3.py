@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from _dist import free_port as _free_port
-from _dist import shutdown_process_group
+from _dist import shutdown_process_group, spawn_ranks
 
 pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")
@@ -80,9 +80,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str, copies: str) -> None
 @pytest.mark.slow
 @pytest.mark.parametrize("copies", ["node", "rank"])
 def test_two_process_zero3_step_syncs_rollout_weights(tmp_path, copies):
-    import torch.multiprocessing as mp
 
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path), copies), nprocs=2, join=True)
+    spawn_ranks(_worker, (2, _free_port(), str(tmp_path), copies), 2)
     for rank in range(2):
         res = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert res["holds_copy"] == (copies == "rank" or rank == 0)

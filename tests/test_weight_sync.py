@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from _dist import free_port as _free_port
-from _dist import shutdown_process_group
+from _dist import shutdown_process_group, spawn_ranks
 
 from fastcov.trainer.weight_sync import (
     ALIGN,
@@ -267,9 +267,8 @@ def _zero3_worker(rank: int, world: int, port: int, out_dir: str) -> None:
 def test_zero3_two_process_bucketed_sync_matches_gathered_weights(tmp_path):
     pytest.importorskip("deepspeed")
     pytest.importorskip("transformers")
-    import torch.multiprocessing as mp
 
-    mp.spawn(_zero3_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_zero3_worker, (2, _free_port(), str(tmp_path)), 2)
     for rank in range(2):
         res = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert res["partitioned"], "ZeRO-3 should shard the parameters"
