@@ -19,7 +19,6 @@ def shutdown_process_group() -> None:
         dist.destroy_process_group()
 
 
-
 def _run_rank(rank, worker, args) -> None:
     import os
     import sys

@@ -75,7 +75,6 @@ def _reference(calls_by_rank, ranks, seed):
 @pytest.mark.slow
 @pytest.mark.parametrize("per_rank_node", [False, True], ids=["one-node", "two-nodes"])
 def test_node_rollout_engine_two_processes(tmp_path, per_rank_node):
-
     spawn_ranks(_worker, (2, free_port(), str(tmp_path), per_rank_node), 2)
     res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     calls = {r: res[r]["calls"] for r in range(2)}

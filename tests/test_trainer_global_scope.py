@@ -157,7 +157,6 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-
     out = tmp_path_factory.mktemp("global_scope")
     _rollouts(out / "rollouts.pt")
     # 1 rank, whole batch, one micro-batch per mini-batch: in its own process too (same thread count)

@@ -80,7 +80,6 @@ def _worker(rank: int, world: int, port: int, out_dir: str, copies: str) -> None
 @pytest.mark.slow
 @pytest.mark.parametrize("copies", ["node", "rank"])
 def test_two_process_zero3_step_syncs_rollout_weights(tmp_path, copies):
-
     spawn_ranks(_worker, (2, _free_port(), str(tmp_path), copies), 2)
     for rank in range(2):
         res = json.loads((tmp_path / f"rank{rank}.json").read_text())

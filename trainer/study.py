@@ -61,10 +61,15 @@ def load_study(path: str | Path) -> dict:
         if not isinstance(over, list) or not all(isinstance(o, str) and "=" in o for o in over):
             raise UserError(f"{p}: arms.{name} must be a list of KEY=VALUE strings")
     for c in data.get("contrasts") or []:
-        pair = [x.strip() for x in c.split(" - ")] if isinstance(c, str) else []
+        pair = _contrast(c)
         if len(pair) != 2 or not all(x in data["arms"] for x in pair):
             raise UserError(f"{p}: contrasts entries are 'ARM - ARM' with both arms in 'arms', got {c!r}")
     return data
+
+
+def _contrast(entry) -> tuple[str, ...]:
+    """A study's contrast entry 'ARM - OTHER' as (ARM, OTHER); anything else gives a tuple of another length."""
+    return tuple(x.strip() for x in entry.split(" - ")) if isinstance(entry, str) else ()
 
 
 def _resolve(path: str) -> str:
@@ -298,7 +303,7 @@ def _seed_report(study, args, out: Path, base: str, arms, seeds, run_dirs, timin
 
     pass_k = int(study.get("pass_k", 8))
     numbers = {a: [run_numbers(run_dirs[(a, sd)], pass_k) for sd in seeds] for a in arms}
-    contrasts = [tuple(x.strip() for x in c.split(" - ")) for c in study.get("contrasts") or []]
+    contrasts = [_contrast(c) for c in study.get("contrasts") or []]
     lines, summary = study_tables(numbers, pass_k, contrasts=[c for c in contrasts if all(a in numbers for a in c)])
     plot = plot_bands(numbers, out / "entropy_bands.png")
     head = [f"# {study.get('title', 'fastcov study')}", "",

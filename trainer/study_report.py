@@ -106,14 +106,13 @@ def run_numbers(run_dir: Path, pass_k: int) -> dict[str, Any]:
     """What the study compares, from one run's metrics.jsonl: entropy at the start and the end (mean of the
     last 10% of steps, so one noisy step does not decide), final validation accuracy, pass@k and mean@k
     of the last evaluation, and the entropy curve."""
-    from fastcov.trainer.report import read_rows
+    from fastcov.trainer.report import end_entropy, read_rows
 
     rows = read_rows(Path(run_dir) / "metrics.jsonl")
     train = [r for r in rows if r.get("entropy") is not None]
     evals = [r for r in rows if r.get("val_acc") is not None]
     if not train:
         raise ValueError(f"{run_dir}: no training steps in metrics.jsonl")
-    tail = train[-max(1, len(train) // 10):]
     last = evals[-1] if evals else {}
     first = evals[0] if len(evals) > 1 and evals[0].get("step") == 0 else {}  # the start model, same for every arm
     sel = [r for r in train if r.get("sel/pos_adv_share") is not None]
@@ -124,7 +123,7 @@ def run_numbers(run_dir: Path, pass_k: int) -> dict[str, Any]:
         "eval_steps": [r["step"] for r in evals],
         "val_acc": [r["val_acc"] for r in evals],
         "start_entropy": train[0]["entropy"],
-        "final_entropy": sum(r["entropy"] for r in tail) / len(tail),
+        "final_entropy": end_entropy(train),
         "final_val_acc": last.get("val_acc"),
         f"pass@{pass_k}": last.get(f"val_pass@{pass_k}"),
         f"mean@{pass_k}": last.get(f"val_mean@{pass_k}"),
@@ -152,6 +151,10 @@ def law_holdout(numbers: dict[str, Any], fit_fraction: float = 0.15) -> dict[str
 
 
 # ---------------------------------------------------------------- the report
+
+
+def _excludes_zero(mean: float, half: float | None) -> bool:
+    return half is not None and abs(mean) > half
 
 
 def _cell(mean: float | None, half: float | None, spec: str = ".3f") -> str:
@@ -189,7 +192,7 @@ def study_tables(numbers: dict[str, list[dict[str, Any]]], pass_k: int, baseline
     pairs = [(arm, baseline) for arm in numbers if arm != baseline and baseline in numbers] + list(contrasts)
     for arm, other in pairs:
         gap, half = diff_ci([n["final_entropy"] for n in numbers[arm]], [n["final_entropy"] for n in numbers[other]])
-        entry = {"mean": gap, "ci95": half, "excludes_zero": half is not None and abs(gap) > half}
+        entry = {"mean": gap, "ci95": half, "excludes_zero": _excludes_zero(gap, half)}
         key = "" if other == baseline else f"_vs_{other}"
         summary["arms"][arm]["entropy_gap" + key] = entry
         acc = [[n.get(f"pass@{pass_k}") for n in numbers[x]] for x in (arm, other)]
@@ -197,7 +200,7 @@ def study_tables(numbers: dict[str, list[dict[str, Any]]], pass_k: int, baseline
         if all(v is not None for vs in acc for v in vs):
             pgap, phalf = diff_ci(*acc)
             summary["arms"][arm][f"pass@{pass_k}_gap" + key] = {"mean": pgap, "ci95": phalf}
-            pverdict = "excludes" if phalf is not None and abs(pgap) > phalf else "includes"
+            pverdict = "excludes" if _excludes_zero(pgap, phalf) else "includes"
             pass_line = f"; pass@{pass_k}: {_cell(pgap, phalf)} (the interval {pverdict} 0)"
         verdict = "excludes" if entry["excludes_zero"] else "includes"
         lines.append(f"- {arm} − {other}, final entropy: {_cell(gap, half)} nats/token "
@@ -251,7 +254,7 @@ def _changes_from_start(numbers: dict[str, list[dict[str, Any]]], pass_k: int, s
             continue
         dp = mean_ci([r[f"pass@{pass_k}"] - r[f"start_pass@{pass_k}"] for r in paired])
         dm = mean_ci([r[f"mean@{pass_k}"] - r[f"start_mean@{pass_k}"] for r in paired])
-        verdict = "excludes" if dp[1] is not None and abs(dp[0]) > dp[1] else "includes"
+        verdict = "excludes" if _excludes_zero(*dp) else "includes"
         summary["arms"][arm][f"pass@{pass_k}_change"] = {"mean": dp[0], "ci95": dp[1]}
         summary["arms"][arm][f"mean@{pass_k}_change"] = {"mean": dm[0], "ci95": dm[1]}
         lines.append(f"- {arm}, end − start of the same run: pass@{pass_k} {_cell(*dp)} (the interval {verdict} 0), "
