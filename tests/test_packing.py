@@ -204,3 +204,26 @@ def test_liger_on_a_cpu_run_is_a_one_line_error_before_anything_is_written(tmp_p
     with pytest.raises(Exception, match="model.liger: Liger-Kernel's Triton kernels need a CUDA GPU"):
         train_mod.train(cfg)
     assert not (tmp_path / "run").exists()
+
+
+def test_gradient_checkpointing_is_enabled_without_deprecation_warnings():
+    """model.gradient_checkpointing turns activation checkpointing on by the name the installed
+    transformers takes (5.24 warns on gradient_checkpointing_enable), and the gradients stay the same."""
+    import warnings
+
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", ["model.attn_implementation=sdpa"])
+    tok = load_tokenizer(cfg.model)
+    ids = torch.randint(3, 40, (2, 9), generator=torch.Generator().manual_seed(1))
+    grads = []
+    for on in (False, True):
+        cfg.model.gradient_checkpointing = on
+        torch.manual_seed(0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            lm = build_model(cfg.model, CPU, torch.float32, tok)
+        assert lm.is_gradient_checkpointing == on
+        assert not [w for w in caught if "checkpointing" in str(w.message)], [str(w.message) for w in caught]
+        lm.train()
+        lm(input_ids=ids, labels=ids).loss.backward()
+        grads.append(torch.cat([p.grad.flatten() for p in lm.parameters() if p.grad is not None]))
+    torch.testing.assert_close(grads[1], grads[0], atol=1e-5, rtol=1e-4)

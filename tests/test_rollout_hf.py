@@ -78,6 +78,30 @@ def test_greedy_equals_model_generate_while_rows_leave():
         torch.testing.assert_close(torch.tensor(lps), policy_logprobs(model, p, ids), atol=1e-5, rtol=1e-5)
 
 
+def test_kv_cache_goes_by_the_name_the_installed_transformers_takes():
+    """transformers 5.24 renamed the KV-cache argument to ``cache`` and warns on ``past_key_values``:
+    the engine passes the accepted name (no deprecation warning), also through apply_fastcov's patch."""
+    import inspect
+    import warnings
+
+    from fastcov.integrations.transformers import apply_fastcov
+    from fastcov.trainer.rollout import kv_cache_argument
+
+    model = tiny_lm().eval()
+    accepted = inspect.signature(type(model).forward).parameters
+    assert kv_cache_argument(model) in accepted
+    prompts = prompts_of([5, 3, 8])
+    ref = HFRolloutEngine(model, [3], 0, shares_policy=True).generate(prompts, SamplingParams(0.0, 1.0, 10))
+    apply_fastcov(model)
+    assert kv_cache_argument(model) in accepted
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = HFRolloutEngine(model, [3], 0, shares_policy=True).generate(prompts, SamplingParams(0.0, 1.0, 10))
+    assert out.token_ids == ref.token_ids
+    cache_warnings = [str(w.message) for w in caught if "past_key_values" in str(w.message)]
+    assert not cache_warnings, cache_warnings
+
+
 def test_sampling_is_reproducible_and_batching_independent_in_distribution():
     model = tiny_lm().eval()
     prompts = prompts_of([4, 6, 6, 3] * 3)

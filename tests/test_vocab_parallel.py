@@ -37,7 +37,9 @@ def _worker(rank, port, queue):
         logprob, entropy, lse = VocabParallelLogprobEntropyFunction.apply(
             hidden, shard, labels, 0.7, -100, dist.group.WORLD, twin)
         (logprob.double() * g_up + entropy.double() * e_up).sum().backward()
-        queue.put((rank, logprob.detach(), entropy.detach(), lse, hidden.grad, shard.grad))
+        # numpy arrays travel by value; a tensor would be shared by a file descriptor that this process
+        # must outlive, and it exits right after (the parent then reads 'connection reset by peer')
+        queue.put((rank, *(t.detach().numpy() for t in (logprob, entropy, lse, hidden.grad, shard.grad))))
     finally:
         dist.destroy_process_group()
 
@@ -61,7 +63,8 @@ def test_vocab_parallel_matches_single_process():
     weight = weight.float().requires_grad_()
     ref = linear_logprob_entropy(hidden, weight, labels, temperature=0.7, impl="torch")
     (ref.logprob.double() * g_up + ref.entropy.double() * e_up).sum().backward()
-    for rank, logprob, entropy, lse, dh, dw in results:
+    for rank, *arrays in results:
+        logprob, entropy, lse, dh, dw = (torch.from_numpy(a) for a in arrays)
         torch.testing.assert_close(logprob, ref.logprob.detach(), atol=2e-6, rtol=1e-5)
         torch.testing.assert_close(entropy, ref.entropy.detach(), atol=2e-6, rtol=1e-5)
         torch.testing.assert_close(lse, ref.logsumexp, atol=2e-6, rtol=1e-5)

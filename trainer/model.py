@@ -133,7 +133,10 @@ def build_model(mcfg, device: torch.device, dtype: torch.dtype, tokenizer=None,
     if use_liger(liger, device):
         apply_liger(model, required=liger is True or liger == "on")
     if mcfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers 5.24's name; the old one warns
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     return model if zero3 else model.to(device)  # ZeRO-3 partitions already sit on the device
 

@@ -16,6 +16,7 @@ helpers here (splitting requests over ranks, eos truncation) are shared by both 
 from __future__ import annotations
 
 import abc
+import inspect
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -23,6 +24,17 @@ import torch
 from torch import nn
 
 from fastcov.trainer.weight_sync import drain, iter_named
+
+
+def kv_cache_argument(model: nn.Module) -> str:
+    """The name a Hugging Face causal LM's forward takes its KV cache by: ``cache`` in recent
+    transformers (5.24 warns that ``past_key_values`` goes in 5.40), ``past_key_values`` before."""
+    forward = getattr(model, "_fastcov_original_forward", model.forward)
+    try:
+        params = inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
 
 
 @dataclass
@@ -159,6 +171,7 @@ class HFRolloutEngine(RolloutEngine):
         self.batch_size = int(batch_size)
         self.token_budget = int(token_budget)
         self.last_stats: dict[str, float] = {}
+        self._cache_arg = kv_cache_argument(model)
 
     @property
     def device(self) -> torch.device:
@@ -227,8 +240,7 @@ class HFRolloutEngine(RolloutEngine):
         step_ids, pos = input_ids, (mask.cumsum(-1) - 1).clamp_min(0)
         for _ in range(sampling.max_new_tokens):
             out = self.model(input_ids=step_ids, attention_mask=mask, position_ids=pos,
-                             past_key_values=cache, use_cache=True, logits_to_keep=1)
-            cache = out.past_key_values
+                             use_cache=True, logits_to_keep=1, **{self._cache_arg: cache})
             tok, lp = sample_next(out.logits[:, -1, :].float(), sampling.temperature, sampling.top_p, generator)
             steps.append((rows, tok, lp))
             finished = torch.isin(tok, eos)

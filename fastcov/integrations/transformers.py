@@ -38,7 +38,12 @@ from fastcov.integrations._require import require
 from fastcov.ops import FLOAT_DTYPES, linear_logprob_entropy
 
 transformers = require("transformers", "transformers", "'fastcov[hf]'")
+from transformers.modeling_outputs import CausalLMOutputWithPast  # noqa: E402
 from transformers.utils import ModelOutput  # noqa: E402
+
+# The KV cache's field in a model output: ``cache`` in recent transformers (5.24), which renames a
+# ``past_key_values`` keyword to it; ``past_key_values`` before.
+_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
 class UnsupportedModelError(ValueError):
@@ -104,7 +109,8 @@ LOGIT_TRANSFORMS = {
 
 @dataclass
 class FastcovCausalLMOutput(ModelOutput):
-    """Output of a patched model called with labels. logprob/entropy/vocab_cov: [B, T] fp32."""
+    """Output of a patched model called with labels. logprob/entropy/vocab_cov: [B, T] fp32. The KV
+    cache, if any, is in ``cache`` or ``past_key_values``, the field the installed transformers uses."""
 
     loss: Optional[torch.Tensor] = None
     logprob: Optional[torch.Tensor] = None
@@ -112,6 +118,7 @@ class FastcovCausalLMOutput(ModelOutput):
     vocab_cov: Optional[torch.Tensor] = None
     logits: Optional[torch.Tensor] = None
     past_key_values: Optional[object] = None
+    cache: Optional[object] = None
     hidden_states: Optional[tuple] = None
     attentions: Optional[tuple] = None
 
@@ -219,16 +226,18 @@ def apply_fastcov(model, *, temperature: float = 1.0, vocab_cov: bool = False, i
         return model
     original_forward = model.forward
 
-    def forward(input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+    # The KV cache (``past_key_values``, or ``cache`` in recent transformers) travels in kwargs under the
+    # caller's name, so neither name is passed to a forward that warns about it or lacks it.
+    def forward(input_ids=None, attention_mask=None, position_ids=None,
                 inputs_embeds=None, labels=None, use_cache=None, **kwargs):
         if labels is None:
             return original_forward(input_ids=input_ids, attention_mask=attention_mask,
-                                    position_ids=position_ids, past_key_values=past_key_values,
+                                    position_ids=position_ids,
                                     inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
         kwargs.pop("logits_to_keep", None)
         kwargs.pop("num_items_in_batch", None)
         given = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                     past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache)
+                     inputs_embeds=inputs_embeds, use_cache=use_cache)
         outputs = decoder(**{k: v for k, v in given.items() if v is not None}, **kwargs)
         stats = fused_logprob_entropy(model, outputs.last_hidden_state, labels, temperature=temperature,
                                       vocab_cov=vocab_cov, impl=impl, ignore_index=ignore_index)
@@ -237,7 +246,7 @@ def apply_fastcov(model, *, temperature: float = 1.0, vocab_cov: bool = False, i
         loss = -stats.logprob.sum() / labelled.sum().clamp(min=1)
         return FastcovCausalLMOutput(loss=loss, logprob=stats.logprob, entropy=stats.entropy,
                                      vocab_cov=stats.vocab_cov,
-                                     past_key_values=getattr(outputs, "past_key_values", None),
+                                     **{_CACHE_FIELD: getattr(outputs, _CACHE_FIELD, None)},
                                      hidden_states=getattr(outputs, "hidden_states", None),
                                      attentions=getattr(outputs, "attentions", None))
 
