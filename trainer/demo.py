@@ -28,6 +28,38 @@ from fastcov.trainer.synthetic import SOLUTION_STYLES
 
 ALGOS = {"grpo": "vanilla", "clip_cov": "clip_cov", "kl_cov": "kl_cov"}
 
+# MKL, ATen's vectorized kernels and oneDNN each pick a code path by the CPU's vector width (AVX-512 on
+# many Intel CPUs, AVX2 on AMD's), the paths round differently, and RL turns a last-bit difference into a
+# different run. Pinned to the AVX2 paths (MKL_CBWR is MKL's conditional numerical reproducibility), one
+# seed should give the same numbers on any x86-64 CPU with AVX2. Values the user already set are kept.
+REPRODUCIBLE_CPU_ENV = {"MKL_CBWR": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+def reproducible_cpu_env(environ: dict[str, str], machine: str, cpu_flags: set[str]) -> dict[str, str] | None:
+    """The environment to re-run with so the CPU numbers don't depend on the CPU model, or None when
+    there is nothing to add (all set already, not x86-64, no AVX2, or FASTCOV_NATIVE_CPU=1)."""
+    if machine.lower() not in ("x86_64", "amd64") or "avx2" not in cpu_flags:
+        return None
+    if environ.get("FASTCOV_NATIVE_CPU") == "1" or all(k in environ for k in REPRODUCIBLE_CPU_ENV):
+        return None
+    return {**REPRODUCIBLE_CPU_ENV, **environ}
+
+
+def reexec_for_reproducible_cpu(module: str) -> None:
+    """Re-execute ``python -m module`` once with REPRODUCIBLE_CPU_ENV added: torch reads these variables
+    when it loads, so they cannot be set from inside a process that has imported it."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return
+    env = reproducible_cpu_env(dict(os.environ), platform.machine(), flags)
+    if env is not None:
+        sys.stdout.flush()
+        os.execve(sys.executable, [sys.executable, "-m", module, *sys.argv[1:]], env)
+
 # The tiny model: ~0.2M parameters; the vocabulary is the task's ~130 word/digit tokens.
 ARCH = dict(model_type="qwen2", hidden_size=96, intermediate_size=256, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -195,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["DS_ACCELERATOR"] = "cpu"
     if args.threads > 0:
         torch.set_num_threads(args.threads)
+    if not torch.cuda.is_available():
+        print(f"[demo] CPU code paths: ATen {torch.backends.cpu.get_cpu_capability()}, "
+              f"MKL_CBWR={os.environ.get('MKL_CBWR', 'unset')}, {args.threads} thread(s) per run")
     from fastcov.trainer.config import ConfigError, load_config
     from fastcov.trainer.report import write_report
     from fastcov.trainer.study import train_runs
@@ -264,4 +299,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    reexec_for_reproducible_cpu("fastcov.trainer.demo")
     raise SystemExit(main())

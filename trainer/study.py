@@ -324,4 +324,7 @@ def _seed_report(study, args, out: Path, base: str, arms, seeds, run_dirs, timin
 
 
 if __name__ == "__main__":
+    from fastcov.trainer.demo import reexec_for_reproducible_cpu
+
+    reexec_for_reproducible_cpu("fastcov.trainer.study")
     raise SystemExit(main())
