@@ -78,13 +78,15 @@ def _resolve(path: str) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from fastcov.trainer import demo
+
     ap = argparse.ArgumentParser(prog="python -m fastcov.trainer.study", description=__doc__.splitlines()[0])
     ap.add_argument("study", help="study YAML (see configs/studies/)")
     ap.add_argument("--out", default=None, help="output directory (default: the study's 'out')")
     ap.add_argument("--arms", default=None, help="comma-separated subset of the arms")
     ap.add_argument("--sft-steps", type=int, default=None, help="setup: demo: warm-start steps")
     ap.add_argument("--n-train", type=int, default=2000)
-    ap.add_argument("--n-val", type=int, default=128)
+    ap.add_argument("--n-val", type=int, default=demo.N_VAL, help="held-out prompts (default %(default)s)")
     ap.add_argument("--reuse-sft", action="store_true", help="setup: demo: keep an existing warm-start model")
     ap.add_argument("--seeds", default=None, help="comma-separated seeds, replacing the study's")
     ap.add_argument("--report-only", action="store_true",
