@@ -39,6 +39,38 @@ def test_study_contrasts_name_two_of_its_arms(tmp_path):
             load_study(path)
 
 
+def test_study_task_sets_the_demo_problems_and_warm_start(tmp_path, monkeypatch):
+    """``task:`` reaches the task writer and the warm-start (recorded, not run); bad values name the key."""
+    from types import SimpleNamespace
+
+    from fastcov.cli import UserError
+    from fastcov.trainer import demo
+    from fastcov.trainer.study import _demo_setup, load_study
+
+    study = load_study(ROOT / "configs" / "studies" / "hard-task.yaml")
+    assert study["task"] == {"max_ops": 3, "max_value": 9, "style_weights": [0.05, 0.05, 0.45, 0.45]}
+    assert load_study(STUDY)["task"] == {"max_ops": 2, "max_value": 9, "style_weights": [0.25] * 4}
+    calls = {}
+    monkeypatch.setattr(demo, "write_task", lambda d, n_train, n_val, max_ops, max_value, seed:
+                        calls.setdefault("write", (n_train, n_val, max_ops, max_value)))
+    monkeypatch.setattr(demo, "warm_start", lambda d, data, scfg, max_ops, max_value:
+                        calls.setdefault("warm", (scfg.steps, scfg.style_weights, max_ops, max_value)))
+    args = SimpleNamespace(report_only=False, reuse_sft=False, sft_steps=7, n_train=64, n_val=5)
+    over = _demo_setup(tmp_path, args, study["task"])
+    assert calls == {"write": (64, 5, 3, 9), "warm": (7, (0.05, 0.05, 0.45, 0.45), 3, 9)}
+    assert over[0] == f"model.path={tmp_path / 'sft' / 'model'}"
+    arms = "arms: {grpo: [algo.mode=vanilla]}\n"
+    for bad, key in (("setup: demo\ntask: {max_ops: 0}", "task.max_ops"),
+                     ("setup: demo\ntask: {style_weights: [1, 1]}", "task.style_weights"),
+                     ("setup: demo\ntask: {style_weights: [0, 0, 0, 0]}", "task.style_weights"),
+                     ("setup: demo\ntask: {ops: 3}", "unknown task key 'ops'"),
+                     ("setup: none\ntask: {max_ops: 3}", "setup: demo only")):
+        path = tmp_path / "s.yaml"
+        path.write_text(arms + bad + "\n")
+        with pytest.raises(UserError, match=key):
+            load_study(path)
+
+
 @pytest.mark.slow
 def test_study_runs_three_arms_and_reports(tmp_path):
     pytest.importorskip("deepspeed")

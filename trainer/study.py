@@ -21,8 +21,10 @@ the selection diagnostics, the entropy law's 15% holdout on ``grpo`` and ``entro
 (``trainer/study_report.py``); ``pass_k`` (default 8) picks the pass@k column; ``contrasts: ["kl_cov -
 kl_cov_random"]`` adds those arm-to-arm gaps (an arm against its control). ``setup: demo`` runs steps
 1-2 of ``make demo`` into ``<out>/data`` and ``<out>/sft`` (``--reuse-sft`` keeps
-an existing warm-start model) and points every arm at them; ``setup: none`` leaves model and data to the
-base config and overrides. Command-line KEY=VALUE overrides apply to every arm, after the study's own.
+an existing warm-start model) and points every arm at them; ``task: {max_ops: 3, style_weights: [...]}`` changes
+that task and warm-start as the demo's ``--max-ops``, ``--max-value`` and ``--style-weights`` do;
+``setup: none`` leaves model and data to the base config and overrides. Command-line KEY=VALUE overrides
+apply to every arm, after the study's own.
 Each arm trains with ``--overwrite`` semantics (an earlier run is moved aside, never deleted).
 """
 
@@ -49,14 +51,16 @@ def load_study(path: str | Path) -> dict:
     if not isinstance(data, dict) or not isinstance(data.get("arms"), dict) or not data["arms"]:
         raise UserError(f"{p}: a study needs 'arms', a mapping of name -> list of KEY=VALUE overrides")
     for key in data:
-        if key not in ("title", "base", "out", "setup", "common", "arms", "notes", "seeds", "pass_k", "contrasts"):
-            raise UserError(f"{p}: unknown study key {key!r} (title, base, out, setup, common, arms, notes, "
+        if key not in ("title", "base", "out", "setup", "task", "common", "arms", "notes", "seeds", "pass_k",
+                       "contrasts"):
+            raise UserError(f"{p}: unknown study key {key!r} (title, base, out, setup, task, common, arms, notes, "
                             "seeds, pass_k, contrasts)")
     seeds = data.get("seeds", [None])
     if not isinstance(seeds, list) or not seeds or not all(s is None or (isinstance(s, int) and s >= 0) for s in seeds):
         raise UserError(f"{p}: seeds must be a non-empty list of non-negative ints, got {seeds!r}")
     if data.get("setup", "none") not in ("demo", "none"):
         raise UserError(f"{p}: setup must be 'demo' or 'none', got {data.get('setup')!r}")
+    data["task"] = _task(p, data)
     for name, over in data["arms"].items():
         if not isinstance(over, list) or not all(isinstance(o, str) and "=" in o for o in over):
             raise UserError(f"{p}: arms.{name} must be a list of KEY=VALUE strings")
@@ -65,6 +69,34 @@ def load_study(path: str | Path) -> dict:
         if len(pair) != 2 or not all(x in data["arms"] for x in pair):
             raise UserError(f"{p}: contrasts entries are 'ARM - ARM' with both arms in 'arms', got {c!r}")
     return data
+
+
+def _task(p: Path, data: dict) -> dict:
+    """The study's ``task`` (setup: demo only) with the demo's defaults filled in: max_ops, max_value,
+    style_weights (one non-negative weight per answer style, positive sum)."""
+    from fastcov.cli import UserError
+    from fastcov.trainer.demo import SFTConfig
+    from fastcov.trainer.synthetic import SOLUTION_STYLES
+
+    task = data.get("task") or {}
+    if task and data.get("setup") != "demo":
+        raise UserError(f"{p}: task applies to setup: demo only (setup is {data.get('setup', 'none')!r})")
+    if not isinstance(task, dict):
+        raise UserError(f"{p}: task must be a mapping (max_ops, max_value, style_weights), got {task!r}")
+    unknown = set(task) - {"max_ops", "max_value", "style_weights"}
+    if unknown:
+        raise UserError(f"{p}: unknown task key {sorted(unknown)[0]!r} (max_ops, max_value, style_weights)")
+    out = {"max_ops": task.get("max_ops", 2), "max_value": task.get("max_value", 9),
+           "style_weights": list(task.get("style_weights", SFTConfig.style_weights))}
+    for key in ("max_ops", "max_value"):
+        if not isinstance(out[key], int) or isinstance(out[key], bool) or out[key] < 1:
+            raise UserError(f"{p}: task.{key} must be a positive int, got {out[key]!r}")
+    w = out["style_weights"]
+    if (len(w) != len(SOLUTION_STYLES) or not all(isinstance(x, (int, float)) and x >= 0 for x in w)
+            or sum(w) <= 0):
+        raise UserError(f"{p}: task.style_weights must be {len(SOLUTION_STYLES)} non-negative numbers with a "
+                        f"positive sum ({'/'.join(SOLUTION_STYLES)}), got {w!r}")
+    return out
 
 
 def _contrast(entry) -> tuple[str, ...]:
@@ -125,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         setup: list[str] = []
         t_start = time.perf_counter()
         if study.get("setup") == "demo":
-            setup = _demo_setup(out, args)
+            setup = _demo_setup(out, args, study["task"])
         seeds = study.get("seeds", [None])
         if args.seeds:
             try:
@@ -170,18 +202,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _demo_setup(out: Path, args) -> list[str]:
+def _demo_setup(out: Path, args, task: dict) -> list[str]:
     """``setup: demo``: the demo's task and warm-start model in ``out`` (nothing written with
-    --report-only; an existing model kept with --reuse-sft), and the overrides that point every arm at them."""
+    --report-only; an existing model kept with --reuse-sft), and the overrides that point every arm at them.
+    ``task`` is the study's (``_task``): the problems' size and the warm-start's mix of answer styles."""
     from fastcov.trainer import demo
 
     data_dir, sft_dir = out / "data", out / "sft"
     if not args.report_only:
-        demo.write_task(data_dir, args.n_train, args.n_val, 2, 9, seed=0)
+        demo.write_task(data_dir, args.n_train, args.n_val, task["max_ops"], task["max_value"], seed=0)
         if not (args.reuse_sft and (sft_dir / "model" / "config.json").exists()):
             steps = args.sft_steps if args.sft_steps is not None else demo.SFTConfig.steps
             print(f"[study] warm-start: supervised training of the demo's tiny Qwen2 ({steps} steps)", flush=True)
-            demo.warm_start(sft_dir, data_dir, demo.SFTConfig(steps=steps), 2, 9)
+            scfg = demo.SFTConfig(steps=steps, style_weights=tuple(float(x) for x in task["style_weights"]))
+            demo.warm_start(sft_dir, data_dir, scfg, task["max_ops"], task["max_value"])
     return [f"model.path={sft_dir / 'model'}", f"data.train_files=[{data_dir / 'train.parquet'}]",
             f"data.val_files=[{data_dir / 'val.parquet'}]"]
 
