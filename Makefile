@@ -64,13 +64,15 @@ demo: $(STAMP)
 		export DS_ACCELERATOR=cpu; fi; \
 	$(PY) -m fastcov.trainer.demo $(DEMO_ARGS)
 
-# GRPO, Clip-Cov, KL-Cov and two controls x 3 seeds on the demo task: runs/study/report.md (mean +- 95% CI).
+# GRPO, Clip-Cov, KL-Cov and two controls x 3 seeds on the demo task: runs/study/report.md (mean +- 95% CI);
+# then GRPO, Clip-Cov, KL-Cov x 3 seeds on a harder variant where collapse costs coverage: runs/study-hard/report.md.
 # STUDY_JOBS runs train at once, one thread each (the numbers do not depend on it).
 STUDY_JOBS ?= 2
 study: $(STAMP)
 	@if ! $(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
 		export DS_ACCELERATOR=cpu; fi; \
-	$(PY) -m fastcov.trainer.study configs/studies/entropy-control.yaml --jobs $(STUDY_JOBS) $(STUDY_ARGS)
+	$(PY) -m fastcov.trainer.study configs/studies/entropy-control.yaml --jobs $(STUDY_JOBS) $(STUDY_ARGS) && \
+	$(PY) -m fastcov.trainer.study configs/studies/hard-task.yaml --jobs $(STUDY_JOBS) $(STUDY_ARGS)
 
 clean:
 	rm -rf $(VENV) $(VERL_VENV) build *.egg-info .pytest_cache

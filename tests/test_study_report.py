@@ -38,7 +38,8 @@ def _run(start, end, passk, steps=40, seed=0):
     return {"steps": list(range(1, steps + 1)), "entropy": ent, "rollout_acc": rollout_acc, "eval_steps": list(range(1, steps + 1, 4)),
             "val_acc": acc, "start_entropy": ent[0], "final_entropy": sum(ent[-4:]) / 4, "final_val_acc": acc[-1],
             "pass@8": passk + rng.uniform(-0.01, 0.01), "mean@8": passk - 0.1, "start_pass@8": 0.9 + seed % 3 * 0.01,
-            "start_mean@8": 0.6, "selected_tokens": None, "selected_pos_adv_share": None, "selected_prob": None,
+            "start_mean@8": 0.6, "distinct_answers": 1.0 + 4 * end + rng.uniform(-0.05, 0.05),
+            "start_distinct_answers": 3.0 + rng.uniform(-0.05, 0.05), "selected_tokens": None, "selected_pos_adv_share": None, "selected_prob": None,
             "selected_cov": None}
 
 
@@ -60,6 +61,14 @@ def test_study_tables_say_whether_the_gap_excludes_zero():
     assert f"kl_cov − grpo, final entropy: {gap['mean']:.3f} ± {gap['ci95']:.3f}" in text and "; pass@8: " in text
     assert summary["start"]["pass@8"]["mean"] == pytest.approx(0.91, abs=1e-9)
     assert "the start model (step 0, every run's first evaluation): pass@8 0.910 ± " in text
+    assert "mean@8 0.600 ± 0.000, 3.00 ± 0.0" in text  # the start's distinct answers per prompt
+    # the table's last column: distinct answers per prompt at the end, ~1 + 4 x end entropy here
+    grpo_row = next(ln for ln in lines if ln.startswith("| grpo |"))
+    d = summary["arms"]["grpo"]["distinct_answers"]
+    assert d["mean"] == pytest.approx(1.6, abs=0.15) and grpo_row.endswith(f"| {d['mean']:.2f} ± {d['ci95']:.2f} |")
+    # mean@8 is 0.02 apart with no spread: its gap is stated beside pass@8's
+    mgap = summary["arms"]["kl_cov"]["mean@8_gap"]
+    assert mgap["mean"] == pytest.approx(0.02, abs=1e-9) and "; mean@8: 0.020" in text
     # every run's pass@8 is ~0.8 after a start of 0.90-0.92: the change is negative and stated with its interval
     change = summary["arms"]["grpo"]["pass@8_change"]
     assert change["mean"] == pytest.approx(0.8 - 0.91, abs=0.015) and change["ci95"] > 0

@@ -105,7 +105,9 @@ def diff_ci(a: Sequence[float], b: Sequence[float], level: float = 0.95) -> tupl
 def run_numbers(run_dir: Path, pass_k: int) -> dict[str, Any]:
     """What the study compares, from one run's metrics.jsonl: entropy at the start and the end (mean of the
     last 10% of steps, so one noisy step does not decide), final validation accuracy, pass@k and mean@k
-    of the last evaluation, and the entropy curve."""
+    of the last evaluation, the distinct final answers per prompt among its k samples (the start model's and the
+    end's: a policy that collapses onto one answer per problem loses coverage even where its token entropy
+    stays), and the entropy curve."""
     from fastcov.trainer.report import end_entropy, read_rows
 
     rows = read_rows(Path(run_dir) / "metrics.jsonl")
@@ -129,6 +131,8 @@ def run_numbers(run_dir: Path, pass_k: int) -> dict[str, Any]:
         f"mean@{pass_k}": last.get(f"val_mean@{pass_k}"),
         f"start_pass@{pass_k}": first.get(f"val_pass@{pass_k}"),
         f"start_mean@{pass_k}": first.get(f"val_mean@{pass_k}"),
+        "distinct_answers": last.get("val_distinct_answers"),
+        "start_distinct_answers": first.get("val_distinct_answers"),
         "selected_tokens": (sum(r.get("sel/tokens_per_update", 0.0) for r in sel) / len(sel)) if sel else None,
         "selected_pos_adv_share": (sum(r["sel/pos_adv_share"] for r in sel) / len(sel)) if sel else None,
         "selected_prob": (sum(r["sel/mean_prob"] for r in sel) / len(sel)) if sel else None,
@@ -169,9 +173,9 @@ def study_tables(numbers: dict[str, list[dict[str, Any]]], pass_k: int, baseline
     pass@k gaps to the baseline with Welch's intervals; pass@k / mean@k of the start model; selection
     diagnostics; the law holdout of the baseline. ``contrasts`` adds (arm, other) gaps the same way, e.g. an arm
     against its control."""
-    keys = ("start_entropy", "final_entropy", "final_val_acc", f"pass@{pass_k}", f"mean@{pass_k}")
+    keys = ("start_entropy", "final_entropy", "final_val_acc", f"pass@{pass_k}", f"mean@{pass_k}", "distinct_answers")
     lines = ["| arm | seeds | entropy start | entropy end | entropy end ÷ GRPO's | val acc end | "
-             f"pass@{pass_k} | mean@{pass_k} |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             f"pass@{pass_k} | mean@{pass_k} | answers per prompt |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     summary: dict[str, Any] = {"arms": {}}
     base_end = [n["final_entropy"] for n in numbers.get(baseline, [])]
     for arm, runs in numbers.items():
@@ -187,7 +191,8 @@ def study_tables(numbers: dict[str, list[dict[str, Any]]], pass_k: int, baseline
         lines.append(f"| {arm} | {len(runs)} | " + " | ".join(
             [_cell(*stats["start_entropy"]), _cell(*stats["final_entropy"]),
              "—" if ratio is None else f"{ratio:.2f}×", _cell(*stats["final_val_acc"]),
-             _cell(*stats[f"pass@{pass_k}"]), _cell(*stats[f"mean@{pass_k}"])]) + " |")
+             _cell(*stats[f"pass@{pass_k}"]), _cell(*stats[f"mean@{pass_k}"]),
+             _cell(*stats["distinct_answers"], ".2f")]) + " |")
     lines.append("")
     pairs = [(arm, baseline) for arm in numbers if arm != baseline and baseline in numbers] + list(contrasts)
     for arm, other in pairs:
@@ -202,6 +207,12 @@ def study_tables(numbers: dict[str, list[dict[str, Any]]], pass_k: int, baseline
             summary["arms"][arm][f"pass@{pass_k}_gap" + key] = {"mean": pgap, "ci95": phalf}
             pverdict = "excludes" if _excludes_zero(pgap, phalf) else "includes"
             pass_line = f"; pass@{pass_k}: {_cell(pgap, phalf)} (the interval {pverdict} 0)"
+            means = [[n.get(f"mean@{pass_k}") for n in numbers[x]] for x in (arm, other)]
+            if all(v is not None for vs in means for v in vs):
+                mgap, mhalf = diff_ci(*means)
+                summary["arms"][arm][f"mean@{pass_k}_gap" + key] = {"mean": mgap, "ci95": mhalf}
+                mverdict = "excludes" if _excludes_zero(mgap, mhalf) else "includes"
+                pass_line += f"; mean@{pass_k}: {_cell(mgap, mhalf)} (the interval {mverdict} 0)"
         verdict = "excludes" if entry["excludes_zero"] else "includes"
         lines.append(f"- {arm} − {other}, final entropy: {_cell(gap, half)} nats/token "
                      f"(the interval {verdict} 0){pass_line}.")
@@ -211,8 +222,14 @@ def study_tables(numbers: dict[str, list[dict[str, Any]]], pass_k: int, baseline
         sm = mean_ci([r[f"start_mean@{pass_k}"] for r in starts])
         summary["start"] = {f"pass@{pass_k}": {"mean": sp[0], "ci95": sp[1]},
                             f"mean@{pass_k}": {"mean": sm[0], "ci95": sm[1]}}
+        sd = [r["start_distinct_answers"] for r in starts if r.get("start_distinct_answers") is not None]
+        sd_text = ""
+        if sd:
+            sdc = mean_ci(sd)
+            summary["start"]["distinct_answers"] = {"mean": sdc[0], "ci95": sdc[1]}
+            sd_text = f", {_cell(*sdc, '.2f')} distinct answers per prompt"
         lines.append(f"- the start model (step 0, every run's first evaluation): pass@{pass_k} {_cell(*sp)}, "
-                     f"mean@{pass_k} {_cell(*sm)}.")
+                     f"mean@{pass_k} {_cell(*sm)}{sd_text}.")
         lines += _changes_from_start(numbers, pass_k, summary)
     lines += ["", "Which tokens the covariance methods acted on (means over steps and seeds):", "",
               "| arm | tokens per update | share with A > 0 | mean p | mean c_t |", "|---|---:|---:|---:|---:|"]
