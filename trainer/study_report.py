@@ -194,28 +194,7 @@ def study_tables(numbers: dict[str, list[dict[str, Any]]], pass_k: int, baseline
              _cell(*stats[f"pass@{pass_k}"]), _cell(*stats[f"mean@{pass_k}"]),
              _cell(*stats["distinct_answers"], ".2f")]) + " |")
     lines.append("")
-    pairs = [(arm, baseline) for arm in numbers if arm != baseline and baseline in numbers] + list(contrasts)
-    for arm, other in pairs:
-        gap, half = diff_ci([n["final_entropy"] for n in numbers[arm]], [n["final_entropy"] for n in numbers[other]])
-        entry = {"mean": gap, "ci95": half, "excludes_zero": _excludes_zero(gap, half)}
-        key = "" if other == baseline else f"_vs_{other}"
-        summary["arms"][arm]["entropy_gap" + key] = entry
-        acc = [[n.get(f"pass@{pass_k}") for n in numbers[x]] for x in (arm, other)]
-        pass_line = ""
-        if all(v is not None for vs in acc for v in vs):
-            pgap, phalf = diff_ci(*acc)
-            summary["arms"][arm][f"pass@{pass_k}_gap" + key] = {"mean": pgap, "ci95": phalf}
-            pverdict = "excludes" if _excludes_zero(pgap, phalf) else "includes"
-            pass_line = f"; pass@{pass_k}: {_cell(pgap, phalf)} (the interval {pverdict} 0)"
-            means = [[n.get(f"mean@{pass_k}") for n in numbers[x]] for x in (arm, other)]
-            if all(v is not None for vs in means for v in vs):
-                mgap, mhalf = diff_ci(*means)
-                summary["arms"][arm][f"mean@{pass_k}_gap" + key] = {"mean": mgap, "ci95": mhalf}
-                mverdict = "excludes" if _excludes_zero(mgap, mhalf) else "includes"
-                pass_line += f"; mean@{pass_k}: {_cell(mgap, mhalf)} (the interval {mverdict} 0)"
-        verdict = "excludes" if entry["excludes_zero"] else "includes"
-        lines.append(f"- {arm} − {other}, final entropy: {_cell(gap, half)} nats/token "
-                     f"(the interval {verdict} 0){pass_line}.")
+    lines += _gap_lines(numbers, pass_k, baseline, contrasts, summary)
     starts = [r for runs in numbers.values() for r in runs if r.get(f"start_pass@{pass_k}") is not None]
     if starts:
         sp = mean_ci([r[f"start_pass@{pass_k}"] for r in starts])
@@ -257,6 +236,36 @@ def study_tables(numbers: dict[str, list[dict[str, Any]]], pass_k: int, baseline
             if x and "error" in x:
                 lines.append(f"- a seed could not be fitted: {x['error']}")
     return lines, summary
+
+
+def _gap_lines(numbers: dict[str, list[dict[str, Any]]], pass_k: int, baseline: str,
+               contrasts: Sequence[tuple[str, str]], summary: dict[str, Any]) -> list[str]:
+    """Each arm against the baseline, then each contrast: final entropy, pass@k and mean@k gaps with Welch's
+    intervals, stated and recorded in ``summary``."""
+    lines = []
+    pairs = [(arm, baseline) for arm in numbers if arm != baseline and baseline in numbers] + list(contrasts)
+    for arm, other in pairs:
+        gap, half = diff_ci([n["final_entropy"] for n in numbers[arm]], [n["final_entropy"] for n in numbers[other]])
+        entry = {"mean": gap, "ci95": half, "excludes_zero": _excludes_zero(gap, half)}
+        key = "" if other == baseline else f"_vs_{other}"
+        summary["arms"][arm]["entropy_gap" + key] = entry
+        acc = [[n.get(f"pass@{pass_k}") for n in numbers[x]] for x in (arm, other)]
+        pass_line = ""
+        if all(v is not None for vs in acc for v in vs):
+            pgap, phalf = diff_ci(*acc)
+            summary["arms"][arm][f"pass@{pass_k}_gap" + key] = {"mean": pgap, "ci95": phalf}
+            pverdict = "excludes" if _excludes_zero(pgap, phalf) else "includes"
+            pass_line = f"; pass@{pass_k}: {_cell(pgap, phalf)} (the interval {pverdict} 0)"
+            means = [[n.get(f"mean@{pass_k}") for n in numbers[x]] for x in (arm, other)]
+            if all(v is not None for vs in means for v in vs):
+                mgap, mhalf = diff_ci(*means)
+                summary["arms"][arm][f"mean@{pass_k}_gap" + key] = {"mean": mgap, "ci95": mhalf}
+                mverdict = "excludes" if _excludes_zero(mgap, mhalf) else "includes"
+                pass_line += f"; mean@{pass_k}: {_cell(mgap, mhalf)} (the interval {mverdict} 0)"
+        verdict = "excludes" if entry["excludes_zero"] else "includes"
+        lines.append(f"- {arm} − {other}, final entropy: {_cell(gap, half)} nats/token "
+                     f"(the interval {verdict} 0){pass_line}.")
+    return lines
 
 
 def _changes_from_start(numbers: dict[str, list[dict[str, Any]]], pass_k: int, summary: dict[str, Any]) -> list[str]:
