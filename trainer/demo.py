@@ -64,6 +64,8 @@ def reexec_for_reproducible_cpu(module: str) -> None:
 # measurable (SE of a mean over 512 prompts ≈ 0.01-0.02). The validation questions are excluded from the
 # training and warm-start problems, so this number also fixes the problems both are drawn from.
 N_VAL = 512
+# The demo task's size: operations per problem (1 to MAX_OPS) and the largest operand.
+MAX_OPS, MAX_VALUE = 2, 9
 
 # The tiny model: ~0.2M parameters; the vocabulary is the task's ~130 word/digit tokens.
 ARCH = dict(model_type="qwen2", hidden_size=96, intermediate_size=256, num_hidden_layers=2,
@@ -82,6 +84,15 @@ class SFTConfig:
     threads: int = 1
     # Styles are sampled with these weights; the mix is the entropy RL starts from.
     style_weights: tuple[float, ...] = (0.25, 0.25, 0.25, 0.25)
+
+
+def style_weights_error(weights) -> str | None:
+    """Why ``weights`` is not a warm-start mix of the answer styles (one non-negative number per entry of
+    SOLUTION_STYLES, with a positive sum), or None when it is one."""
+    ok = (len(weights) == len(SOLUTION_STYLES) and all(isinstance(w, (int, float)) and w >= 0 for w in weights)
+          and sum(weights) > 0)
+    return None if ok else (f"expected {len(SOLUTION_STYLES)} non-negative numbers with a positive sum "
+                            f"({'/'.join(SOLUTION_STYLES)})")
 
 
 def write_task(data_dir: Path, n_train: int, n_val: int, max_ops: int, max_value: int, seed: int) -> None:
@@ -195,8 +206,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--sft-steps", type=int, default=SFTConfig.steps)
     ap.add_argument("--n-train", type=int, default=2000)
     ap.add_argument("--n-val", type=int, default=N_VAL, help="held-out prompts (default %(default)s)")
-    ap.add_argument("--max-ops", type=int, default=2)
-    ap.add_argument("--max-value", type=int, default=9)
+    ap.add_argument("--max-ops", type=int, default=MAX_OPS)
+    ap.add_argument("--max-value", type=int, default=MAX_VALUE)
     ap.add_argument("--style-weights", default=",".join(str(w) for w in SFTConfig.style_weights),
                     help="warm-start mix of the answer styles " + "/".join(SOLUTION_STYLES) + " (comma-separated)")
     ap.add_argument("--reuse-sft", action="store_true", help="keep an existing warm-start model")
@@ -248,9 +259,8 @@ def main(argv: list[str] | None = None) -> int:
         style_weights = tuple(float(w) for w in args.style_weights.split(","))
     except ValueError:
         ap.error(f"--style-weights: expected comma-separated numbers, got {args.style_weights!r}")
-    if len(style_weights) != len(SOLUTION_STYLES) or min(style_weights) < 0 or sum(style_weights) <= 0:
-        ap.error(f"--style-weights: expected {len(SOLUTION_STYLES)} non-negative weights with a positive sum "
-                 f"({'/'.join(SOLUTION_STYLES)}), got {args.style_weights!r}")
+    if (problem := style_weights_error(style_weights)) is not None:
+        ap.error(f"--style-weights: {problem}, got {args.style_weights!r}")
     out = Path(args.out)
     data_dir, sft_dir = out / "data", out / "sft"
     t_start = time.perf_counter()

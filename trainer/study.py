@@ -75,8 +75,7 @@ def _task(p: Path, data: dict) -> dict:
     """The study's ``task`` (setup: demo only) with the demo's defaults filled in: max_ops, max_value,
     style_weights (one non-negative weight per answer style, positive sum)."""
     from fastcov.cli import UserError
-    from fastcov.trainer.demo import SFTConfig
-    from fastcov.trainer.synthetic import SOLUTION_STYLES
+    from fastcov.trainer.demo import MAX_OPS, MAX_VALUE, SFTConfig, style_weights_error
 
     task = data.get("task") or {}
     if task and data.get("setup") != "demo":
@@ -86,16 +85,13 @@ def _task(p: Path, data: dict) -> dict:
     unknown = set(task) - {"max_ops", "max_value", "style_weights"}
     if unknown:
         raise UserError(f"{p}: unknown task key {sorted(unknown)[0]!r} (max_ops, max_value, style_weights)")
-    out = {"max_ops": task.get("max_ops", 2), "max_value": task.get("max_value", 9),
+    out = {"max_ops": task.get("max_ops", MAX_OPS), "max_value": task.get("max_value", MAX_VALUE),
            "style_weights": list(task.get("style_weights", SFTConfig.style_weights))}
     for key in ("max_ops", "max_value"):
         if not isinstance(out[key], int) or isinstance(out[key], bool) or out[key] < 1:
             raise UserError(f"{p}: task.{key} must be a positive int, got {out[key]!r}")
-    w = out["style_weights"]
-    if (len(w) != len(SOLUTION_STYLES) or not all(isinstance(x, (int, float)) and x >= 0 for x in w)
-            or sum(w) <= 0):
-        raise UserError(f"{p}: task.style_weights must be {len(SOLUTION_STYLES)} non-negative numbers with a "
-                        f"positive sum ({'/'.join(SOLUTION_STYLES)}), got {w!r}")
+    if (problem := style_weights_error(out["style_weights"])) is not None:
+        raise UserError(f"{p}: task.style_weights: {problem}, got {out['style_weights']!r}")
     return out
 
 

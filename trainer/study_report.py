@@ -249,22 +249,18 @@ def _gap_lines(numbers: dict[str, list[dict[str, Any]]], pass_k: int, baseline: 
         entry = {"mean": gap, "ci95": half, "excludes_zero": _excludes_zero(gap, half)}
         key = "" if other == baseline else f"_vs_{other}"
         summary["arms"][arm]["entropy_gap" + key] = entry
-        acc = [[n.get(f"pass@{pass_k}") for n in numbers[x]] for x in (arm, other)]
-        pass_line = ""
-        if all(v is not None for vs in acc for v in vs):
-            pgap, phalf = diff_ci(*acc)
-            summary["arms"][arm][f"pass@{pass_k}_gap" + key] = {"mean": pgap, "ci95": phalf}
-            pverdict = "excludes" if _excludes_zero(pgap, phalf) else "includes"
-            pass_line = f"; pass@{pass_k}: {_cell(pgap, phalf)} (the interval {pverdict} 0)"
-            means = [[n.get(f"mean@{pass_k}") for n in numbers[x]] for x in (arm, other)]
-            if all(v is not None for vs in means for v in vs):
-                mgap, mhalf = diff_ci(*means)
-                summary["arms"][arm][f"mean@{pass_k}_gap" + key] = {"mean": mgap, "ci95": mhalf}
-                mverdict = "excludes" if _excludes_zero(mgap, mhalf) else "includes"
-                pass_line += f"; mean@{pass_k}: {_cell(mgap, mhalf)} (the interval {mverdict} 0)"
+        acc_text = ""
+        for metric in (f"pass@{pass_k}", f"mean@{pass_k}"):  # mean@k only where pass@k was evaluated
+            vals = [[n.get(metric) for n in numbers[x]] for x in (arm, other)]
+            if any(v is None for vs in vals for v in vs):
+                break
+            mgap, mhalf = diff_ci(*vals)
+            summary["arms"][arm][f"{metric}_gap" + key] = {"mean": mgap, "ci95": mhalf}
+            mverdict = "excludes" if _excludes_zero(mgap, mhalf) else "includes"
+            acc_text += f"; {metric}: {_cell(mgap, mhalf)} (the interval {mverdict} 0)"
         verdict = "excludes" if entry["excludes_zero"] else "includes"
         lines.append(f"- {arm} − {other}, final entropy: {_cell(gap, half)} nats/token "
-                     f"(the interval {verdict} 0){pass_line}.")
+                     f"(the interval {verdict} 0){acc_text}.")
     return lines
 
 
