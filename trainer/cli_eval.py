@@ -32,22 +32,60 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write the reliability diagram (accuracy vs confidence) to this file")
 
 
-def run(args: argparse.Namespace) -> int:
-    import json
-    import math
-    import sys
-    from pathlib import Path
-
+def evaluate_model(model: str, data: list[str], *, k: int = 1, temperature: float = 0.6, max_new_tokens: int = 256,
+                   max_prompt_len: int = 2048, max_prompts: int = 0, batch_size: int = 64, device: str = "auto",
+                   seed: int = 0, sample_all: bool = False, task: str = "math") -> dict:
+    """The trainer's evaluation (``fastcov.trainer.train.evaluate``) of a saved model on parquet files: a dict
+    with ``prompts``, ``k``, ``val_acc``, ``val_pass@k`` / ``val_mean@k``, diversity and calibration. Raises
+    ValueError (or FileNotFoundError) when the model, tokenizer or data cannot be loaded."""
     import torch
 
-    from fastcov.cli import UsageError, one_line
     from fastcov.trainer.config import Config, ModelConfig
     from fastcov.trainer.data import load_examples
     from fastcov.trainer.engine import pick_device
     from fastcov.trainer.model import build_model, load_tokenizer
     from fastcov.trainer.rewards import RewardFn
     from fastcov.trainer.rollout import HFRolloutEngine
-    from fastcov.trainer.train import check_model_source, evaluate
+    from fastcov.trainer.train import evaluate
+
+    mcfg = ModelConfig(path=model)
+    dev = pick_device(device)
+    tok = load_tokenizer(mcfg)
+    net = build_model(mcfg, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    examples, _ = load_examples(data, tok, max_prompt_len)
+    if max_prompts:
+        examples = examples[:max_prompts]
+    net.config.use_cache = True
+    engine = HFRolloutEngine(net, [tok.eos_token_id], tok.pad_token_id, batch_size)
+    cfg = Config(model=mcfg)
+    cfg.trainer.eval_k = k
+    cfg.trainer.eval_temperature = temperature
+    cfg.trainer.eval_max_new_tokens = max_new_tokens
+    cfg.trainer.seed = seed
+    cfg.trainer.eval_sample_all = sample_all
+    cfg.reward.task = task
+    if task == "code":
+        from fastcov.trainer.code_tasks import CodeRewardFn
+
+        reward_fn = CodeRewardFn("binary")
+    else:
+        reward_fn = RewardFn("binary", 5.0, "process")
+    try:
+        res = evaluate(engine, examples, reward_fn, tok, cfg, 0, 1, dev, 0)
+    finally:
+        reward_fn.close()
+    return {"prompts": len(examples), "k": k, **res}
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+    import math
+    import sys
+    from pathlib import Path
+
+    from fastcov.cli import UsageError, one_line
+    from fastcov.trainer.config import ModelConfig
+    from fastcov.trainer.train import check_model_source
 
     if args.k < 1:
         print("fastcov eval: --k must be >= 1", file=sys.stderr)
@@ -60,42 +98,18 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"{flag}: must be >= 1, got {value}")
     if args.max_prompts < 0:
         raise UsageError(f"--max-prompts: must be >= 0 (0 = all), got {args.max_prompts}")
-    mcfg = ModelConfig(path=args.model)
-    check_model_source(mcfg, names=("--model", "--model"))
+    check_model_source(ModelConfig(path=args.model), names=("--model", "--model"))
     for f in args.data:
         if not Path(f).is_file():
             raise UsageError(f"--data: {f!r} does not exist or is not a file")
-    device = pick_device(args.device)
     try:
-        tok = load_tokenizer(mcfg)
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        model = build_model(mcfg, device, dtype)
-        examples, _ = load_examples(args.data, tok, args.max_prompt_len)
+        res = evaluate_model(args.model, args.data, k=args.k, temperature=args.temperature,
+                             max_new_tokens=args.max_new_tokens, max_prompt_len=args.max_prompt_len,
+                             max_prompts=args.max_prompts, batch_size=args.batch_size, device=args.device,
+                             seed=args.seed, sample_all=args.sample_all, task=args.task)
     except (ValueError, FileNotFoundError) as exc:
         print(f"fastcov eval: {one_line(exc)}", file=sys.stderr)
         return 2
-    if args.max_prompts:
-        examples = examples[: args.max_prompts]
-    model.config.use_cache = True
-    engine = HFRolloutEngine(model, [tok.eos_token_id], tok.pad_token_id, args.batch_size)
-    cfg = Config(model=mcfg)
-    cfg.trainer.eval_k = args.k
-    cfg.trainer.eval_temperature = args.temperature
-    cfg.trainer.eval_max_new_tokens = args.max_new_tokens
-    cfg.trainer.seed = args.seed
-    cfg.trainer.eval_sample_all = args.sample_all
-    cfg.reward.task = args.task
-    if args.task == "code":
-        from fastcov.trainer.code_tasks import CodeRewardFn
-
-        reward_fn = CodeRewardFn("binary")
-    else:
-        reward_fn = RewardFn("binary", 5.0, "process")
-    try:
-        res = evaluate(engine, examples, reward_fn, tok, cfg, 0, 1, device, 0)
-    finally:
-        reward_fn.close()
-    res = {"prompts": len(examples), "k": args.k, **res}
     bins = res.pop("val_calibration_bins", None)
     if args.reliability_plot and bins:
         from fastcov.metrics import CalibrationBin, reliability_plot

@@ -96,11 +96,90 @@ def style_weights_error(weights) -> str | None:
 
 
 def write_task(data_dir: Path, n_train: int, n_val: int, max_ops: int, max_value: int, seed: int) -> None:
+    """train.parquet (1 to ``max_ops`` operations), val.parquet (``n_val`` held-out problems of the same kind)
+    and harder.parquet (``n_val`` problems with ``max_ops + 1`` operations) in ``data_dir``."""
     from fastcov.trainer.synthetic import write_task as _write
 
     data_dir.mkdir(parents=True, exist_ok=True)
     _write(str(data_dir / "train.parquet"), str(data_dir / "val.parquet"), n_train, n_val, seed,
-           1, max_ops, max_value)
+           1, max_ops, max_value, harder_path=str(data_dir / "harder.parquet"))
+
+
+# The second evaluation, of the start model and of each run's end: the held-out problems with one operation
+# more than any training problem (harder.parquet), 8 samples per prompt at T = 0.6 as in the study's pass@k.
+HARDER_K, HARDER_TEMPERATURE = 8, 0.6
+
+
+def evaluate_harder(run_dir: Path, start_model: Path, data_file: Path, seed: int, max_new_tokens: int,
+                    cache: dict | None = None, threads: int = 1) -> dict:
+    """pass@8, mean@8 and distinct answers per prompt on ``data_file`` of ``start_model`` ("start") and of the
+    run's final model ("end"), sampled with the run's seed on ``threads`` torch threads; also written to
+    ``<run_dir>/harder_eval.json``. ``cache`` holds the start model's numbers by seed: every arm of a seed starts
+    from the same model and samples the same way."""
+    import json
+
+    import torch
+
+    from fastcov.trainer.cli_eval import evaluate_model
+
+    def numbers(model: Path) -> dict:
+        res = evaluate_model(str(model), [str(data_file)], k=HARDER_K, temperature=HARDER_TEMPERATURE,
+                             max_new_tokens=max_new_tokens, seed=seed, sample_all=True)
+        return {"prompts": res["prompts"], f"pass@{HARDER_K}": res[f"val_pass@{HARDER_K}"],
+                f"mean@{HARDER_K}": res[f"val_mean@{HARDER_K}"], "distinct_answers": res.get("val_distinct_answers")}
+
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        cache = {} if cache is None else cache
+        if (str(start_model), seed) not in cache:
+            cache[(str(start_model), seed)] = numbers(start_model)
+        out = {"data": str(data_file), "k": HARDER_K, "temperature": HARDER_TEMPERATURE, "seed": seed,
+               "start": cache[(str(start_model), seed)], "end": numbers(Path(run_dir) / "final")}
+    finally:
+        torch.set_num_threads(threads_before)
+    (Path(run_dir) / "harder_eval.json").write_text(json.dumps(out, indent=1) + "\n")
+    return out
+
+
+def evaluate_harder_runs(run_dirs: dict, cfgs: dict, data_file: Path, start_model: Path, tag: str) -> dict:
+    """``evaluate_harder`` for every run of ``run_dirs`` (key -> run directory; ``cfgs`` has the same keys), each
+    sampled with its run's seed and threads; {} when ``data_file`` does not exist (a task written before it had one)."""
+    if not data_file.is_file():
+        return {}
+    print(f"[{tag}] evaluating the start model and every run on {data_file} ({HARDER_K} samples per prompt)",
+          flush=True)
+    cache: dict = {}
+    return {key: evaluate_harder(d, start_model, data_file, cfgs[key].trainer.seed, cfgs[key].rollout.max_new_tokens,
+                                 cache, max(1, cfgs[key].trainer.threads)) for key, d in run_dirs.items()}
+
+
+def harder_lines(harder: dict[str, dict], ops: int) -> list[str]:
+    """The demo's table of the harder split (start model, then each algorithm) and what it shows."""
+    k = HARDER_K
+    if not harder:
+        return []
+    first = next(iter(harder.values()))
+    lines = [f"Held-out problems with {ops} operations (training has 1 to {ops - 1}), {first['end']['prompts']} "
+             f"prompts, {k} samples each at T = {HARDER_TEMPERATURE}:", "",
+             f"| model | pass@{k} | mean@{k} | answers per prompt |", "|---|---:|---:|---:|"]
+    rows = [("start model", first["start"])] + [(name, h["end"]) for name, h in harder.items()]
+    for name, r in rows:
+        da = r.get("distinct_answers")
+        lines.append(f"| {name} | {r[f'pass@{k}']:.3f} | {r[f'mean@{k}']:.3f} | "
+                     f"{'—' if da is None else f'{da:.2f}'} |")
+    g = harder.get("grpo")
+    if g:
+        lost = g["start"][f"pass@{k}"] - g["end"][f"pass@{k}"]
+        lines += ["", f"- GRPO's pass@{k} on these problems went {g['start'][f'pass@{k}']:.3f} → "
+                  f"{g['end'][f'pass@{k}']:.3f} ({'lost' if lost > 0 else 'gained'} {abs(lost):.3f})."]
+        for name, h in harder.items():
+            if name != "grpo":
+                gap = h["end"][f"pass@{k}"] - g["end"][f"pass@{k}"]
+                mgap = h["end"][f"mean@{k}"] - g["end"][f"mean@{k}"]
+                lines.append(f"- {name} − GRPO: pass@{k} {gap:+.3f}, mean@{k} {mgap:+.3f} (one seed; "
+                             "`make study` gives intervals).")
+    return lines
 
 
 def warm_start(out_dir: Path, data_dir: Path, scfg: SFTConfig, max_ops: int, max_value: int) -> dict:
@@ -233,6 +312,21 @@ def print_summary(summaries: list[dict]) -> None:
     print(verdict(summaries))
 
 
+def _checked(ap: argparse.ArgumentParser, args) -> tuple[list[str], tuple[float, ...]]:
+    """The algorithms and the warm-start's style weights from the command line; a usage error names the flag."""
+    algos = [a.strip() for a in args.algos.split(",") if a.strip()]
+    for a in algos:
+        if a not in ALGOS:
+            ap.error(f"--algos: unknown algorithm {a!r} (choose from {', '.join(ALGOS)})")
+    try:
+        style_weights = tuple(float(w) for w in args.style_weights.split(","))
+    except ValueError:
+        ap.error(f"--style-weights: expected comma-separated numbers, got {args.style_weights!r}")
+    if (problem := style_weights_error(style_weights)) is not None:
+        ap.error(f"--style-weights: {problem}, got {args.style_weights!r}")
+    return algos, style_weights
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = _parser()
     args = ap.parse_args(argv)
@@ -251,16 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     from fastcov.trainer.study import train_runs
     from fastcov.trainer.train import train
 
-    algos = [a.strip() for a in args.algos.split(",") if a.strip()]
-    for a in algos:
-        if a not in ALGOS:
-            ap.error(f"--algos: unknown algorithm {a!r} (choose from {', '.join(ALGOS)})")
-    try:
-        style_weights = tuple(float(w) for w in args.style_weights.split(","))
-    except ValueError:
-        ap.error(f"--style-weights: expected comma-separated numbers, got {args.style_weights!r}")
-    if (problem := style_weights_error(style_weights)) is not None:
-        ap.error(f"--style-weights: {problem}, got {args.style_weights!r}")
+    algos, style_weights = _checked(ap, args)
     out = Path(args.out)
     data_dir, sft_dir = out / "data", out / "sft"
     t_start = time.perf_counter()
@@ -299,15 +384,19 @@ def main(argv: list[str] | None = None) -> int:
     from fastcov.trainer.report import summarize
 
     summaries = [summarize(d) for d in run_dirs]
+    harder = evaluate_harder_runs(done, cfgs, data_dir / "harder.parquet", sft_dir / "model", "demo")
+    extra = harder_lines({a: harder[(a, None)] for a in algos if (a, None) in harder}, args.max_ops + 1)
     total = time.perf_counter() - t_start
     pre = (
         "Tiny Qwen2 (2 layers, hidden 96) warm-started on arithmetic word problems, then RL from the same "
         f"start and seed with `{os.path.relpath(args.config)}`. Wall time {total:.0f}s "
         f"(warm-start {sft['sft_seconds']:.0f}s; " + ", ".join(f"{a} {s:.0f}s" for a, s in timings.items())
-        + ").\n\n" + verdict(summaries)
+        + ").\n\n" + verdict(summaries) + ("\n\n" + "\n".join(extra) if extra else "")
     )
     report, summaries = write_report(run_dirs, out, "fastcov demo: GRPO vs Clip-Cov vs KL-Cov", pre)
     print_summary(summaries)
+    if extra:
+        print("\n" + "\n".join(extra))
     print(f"[demo] report: {report}  plots: {out}/entropy.png {out}/val_acc.png {out}/law.png")
     print(f"[demo] wall time {total:.0f}s")
     return 0

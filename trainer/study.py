@@ -184,6 +184,10 @@ def main(argv: list[str] | None = None) -> int:
             timings = {a: sum(_seconds_of(run_dirs[(a, sd)]) for sd in seeds) for a in arms}
     else:
         run_dirs, timings = train_runs(runs, cfgs, multi, max(1, args.jobs), train)
+        if study.get("setup") == "demo":
+            from fastcov.trainer.demo import evaluate_harder_runs
+
+            evaluate_harder_runs(run_dirs, cfgs, out / "data" / "harder.parquet", out / "sft" / "model", "study")
         total = time.perf_counter() - t_start
     if multi:
         return _seed_report(study, args, out, base, arms, seeds, run_dirs, timings, total)

@@ -137,7 +137,20 @@ def run_numbers(run_dir: Path, pass_k: int) -> dict[str, Any]:
         "selected_pos_adv_share": (sum(r["sel/pos_adv_share"] for r in sel) / len(sel)) if sel else None,
         "selected_prob": (sum(r["sel/mean_prob"] for r in sel) / len(sel)) if sel else None,
         "selected_cov": (sum(r["sel/mean_cov"] for r in sel) / len(sel)) if sel else None,
+        "harder": _read_harder(Path(run_dir)),
     }
+
+
+def _read_harder(run_dir: Path) -> dict[str, Any] | None:
+    """The run's harder_eval.json (the demo task's held-out problems with one operation more than training:
+    the start model's and the end's numbers), or None when the run has none."""
+    import json
+
+    try:
+        data = json.loads((run_dir / "harder_eval.json").read_text())
+        return data if isinstance(data.get("start"), dict) and isinstance(data.get("end"), dict) else None
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def law_holdout(numbers: dict[str, Any], fit_fraction: float = 0.15) -> dict[str, Any] | None:
@@ -210,6 +223,7 @@ def study_tables(numbers: dict[str, list[dict[str, Any]]], pass_k: int, baseline
         lines.append(f"- the start model (step 0, every run's first evaluation): pass@{pass_k} {_cell(*sp)}, "
                      f"mean@{pass_k} {_cell(*sm)}{sd_text}.")
         lines += _changes_from_start(numbers, pass_k, summary)
+    lines += _harder_lines(numbers, baseline, summary)
     lines += ["", "Which tokens the covariance methods acted on (means over steps and seeds):", "",
               "| arm | tokens per update | share with A > 0 | mean p | mean c_t |", "|---|---:|---:|---:|---:|"]
     for arm, runs in numbers.items():
@@ -281,6 +295,49 @@ def _changes_from_start(numbers: dict[str, list[dict[str, Any]]], pass_k: int, s
         summary["arms"][arm][f"mean@{pass_k}_change"] = {"mean": dm[0], "ci95": dm[1]}
         lines.append(f"- {arm}, end − start of the same run: pass@{pass_k} {_cell(*dp)} (the interval {verdict} 0), "
                      f"mean@{pass_k} {_cell(*dm)}.")
+    return lines
+
+
+def _harder_lines(numbers: dict[str, list[dict[str, Any]]], baseline: str, summary: dict[str, Any]) -> list[str]:
+    """The held-out problems with one operation more than training, where every run has them: per arm the end's
+    pass@k, mean@k and distinct answers (mean ± CI across seeds), the start model's, each arm's pass@k change
+    from its start (paired by seed) and its pass@k and mean@k gaps to the baseline (Welch)."""
+    if not numbers or not all(r.get("harder") for runs in numbers.values() for r in runs):
+        return []
+    first = next(iter(numbers.values()))[0]["harder"]
+    k = first["k"]
+    metrics = (f"pass@{k}", f"mean@{k}", "distinct_answers")
+
+    def stat(values):
+        vals = [v for v in values if v is not None]
+        return mean_ci(vals) if vals else (None, None)
+
+    def cell(ci, spec=".3f"):
+        return _cell(*ci, spec) + (" *" if ci[0] is not None and _excludes_zero(*ci) else "")
+
+    starts = [r["harder"]["start"] for runs in numbers.values() for r in runs]
+    start = {m: stat([s.get(m) for s in starts]) for m in metrics}
+    out: dict[str, Any] = {"k": k, "start": {m: {"mean": a, "ci95": b} for m, (a, b) in start.items()}, "arms": {}}
+    lines = ["", f"Held-out problems with one operation more than any training problem ({first['end']['prompts']} "
+             f"prompts, {k} samples each at T = {first['temperature']}; * marks a 95% interval that excludes 0):",
+             "", f"| arm | pass@{k} | mean@{k} | answers per prompt | pass@{k} − start | pass@{k} − {baseline}'s | "
+             f"mean@{k} − {baseline}'s |", "|---|---:|---:|---:|---:|---:|---:|",
+             f"| start model | {_cell(*start[metrics[0]])} | {_cell(*start[metrics[1]])} | "
+             f"{_cell(*start['distinct_answers'], '.2f')} | — | — | — |"]
+    base = [r["harder"]["end"] for r in numbers.get(baseline, [])]
+    for arm, runs in numbers.items():
+        ends = [r["harder"]["end"] for r in runs]
+        stats = {m: stat([e.get(m) for e in ends]) for m in metrics}
+        change = stat([r["harder"]["end"][metrics[0]] - r["harder"]["start"][metrics[0]] for r in runs])
+        gaps = {m: diff_ci([e[m] for e in ends], [b[m] for b in base]) for m in metrics[:2]} \
+            if base and arm != baseline else {}
+        out["arms"][arm] = {name: {"mean": a, "ci95": b} for name, (a, b) in
+                            [*stats.items(), (f"{metrics[0]}_change", change),
+                             *((f"{m}_gap", g) for m, g in gaps.items())]}
+        gap_cells = [cell(g) for g in gaps.values()] or ["—", "—"]
+        lines.append(f"| {arm} | {_cell(*stats[metrics[0]])} | {_cell(*stats[metrics[1]])} | "
+                     f"{_cell(*stats['distinct_answers'], '.2f')} | {cell(change)} | " + " | ".join(gap_cells) + " |")
+    summary["harder"] = out
     return lines
 
 

@@ -20,6 +20,9 @@ import random
 from dataclasses import dataclass
 
 DATA_SOURCE = "synthetic_arith"
+# Held-out problems with one operation more than any training problem: where a policy that has collapsed onto
+# the training problems' answers shows what it lost (the demo's and the study's second evaluation).
+HARDER_DATA_SOURCE = "synthetic_arith_harder"
 NAMES = ["mia", "sam", "leo", "ana", "tom", "eva", "max", "zoe"]
 ITEMS = ["apples", "pens", "coins", "books", "cards", "shells", "stamps", "eggs"]
 INSTRUCTION = "put the answer in \\boxed{} ."
@@ -117,10 +120,10 @@ def generate(n: int, seed: int, min_ops: int = 1, max_ops: int = 2, max_value: i
     return out
 
 
-def to_rows(problems: list[Problem], split: str) -> list[dict]:
+def to_rows(problems: list[Problem], split: str, data_source: str = DATA_SOURCE) -> list[dict]:
     return [
         {
-            "data_source": DATA_SOURCE,
+            "data_source": data_source,
             "prompt": [{"role": "user", "content": p.question()}],
             "ability": "math",
             "reward_model": {"style": "rule", "ground_truth": str(p.answer)},
@@ -130,20 +133,25 @@ def to_rows(problems: list[Problem], split: str) -> list[dict]:
     ]
 
 
-def write_parquet(path: str, problems: list[Problem], split: str) -> None:
+def write_parquet(path: str, problems: list[Problem], split: str, data_source: str = DATA_SOURCE) -> None:
     import pandas as pd
 
-    pd.DataFrame(to_rows(problems, split)).to_parquet(path, index=False)
+    pd.DataFrame(to_rows(problems, split, data_source)).to_parquet(path, index=False)
 
 
 def write_task(train_path: str, val_path: str, n_train: int, n_val: int, seed: int = 0,
-               min_ops: int = 1, max_ops: int = 2, max_value: int = 9) -> None:
-    """Write disjoint train/validation parquet files of the synthetic task."""
+               min_ops: int = 1, max_ops: int = 2, max_value: int = 9, harder_path: str | None = None) -> None:
+    """Write disjoint train/validation parquet files of the synthetic task; with ``harder_path``, also ``n_val``
+    held-out problems with exactly ``max_ops + 1`` operations (data source HARDER_DATA_SOURCE), a length no
+    training or validation problem has."""
     val = generate(n_val, seed + 1, min_ops, max_ops, max_value) if n_val else []
     train = generate(n_train, seed, min_ops, max_ops, max_value, exclude={p.question() for p in val})
     write_parquet(train_path, train, "train")
     if n_val:
         write_parquet(val_path, val, "test")
+    if harder_path and n_val:
+        write_parquet(harder_path, generate(n_val, seed + 2, max_ops + 1, max_ops + 1, max_value), "test",
+                      HARDER_DATA_SOURCE)
 
 
 def _corpus() -> list[str]:
