@@ -79,3 +79,27 @@ def test_split_and_sampler_are_seeded_and_resumable():
     assert sorted(first + rest[:3]) == list(range(10))
     with pytest.raises(ValueError, match="checkpoint had 10"):
         PromptSampler(11, seed=1).load_state_dict(state)
+
+
+def test_harder_split_has_exactly_one_operation_more_than_training(tmp_path, tok):
+    synthetic.write_task(str(tmp_path / "t.parquet"), str(tmp_path / "v.parquet"), 60, 12, seed=3, max_ops=2,
+                         max_value=9, harder_path=str(tmp_path / "h.parquet"))
+    raw = pd.read_parquet(tmp_path / "h.parquet")
+    assert set(raw["data_source"]) == {synthetic.HARDER_DATA_SOURCE}
+    harder = read_parquet(tmp_path / "h.parquet")
+    assert len(harder) == 12 and len({r["messages"][0]["content"] for r in harder}) == 12
+
+    def n_ops(q):
+        return q.count(" more .") + q.count(" away .")
+
+    train = read_parquet(tmp_path / "t.parquet")
+    assert max(n_ops(r["messages"][0]["content"]) for r in train) == 2
+    assert all(n_ops(r["messages"][0]["content"]) == 3 for r in harder)
+    reward = RewardFn(sandbox="inline")
+    for p in synthetic.generate(12, 3 + 2, 3, 3, 9):  # the split's own generator: answers verify, values in range
+        assert len(p.ops) == 3 and all(0 <= v <= 9 for v in p.values)
+        assert reward(synthetic.solution(p, "steps"), str(p.answer)) == 1.0
+    assert [r["ground_truth"] for r in harder] == [str(p.answer) for p in synthetic.generate(12, 5, 3, 3, 9)]
+    # without harder_path nothing else is written
+    synthetic.write_task(str(tmp_path / "t2.parquet"), str(tmp_path / "v2.parquet"), 20, 5, seed=3)
+    assert sorted(x.name for x in tmp_path.iterdir() if x.name.endswith("2.parquet")) == ["t2.parquet", "v2.parquet"]

@@ -1,7 +1,7 @@
 """The demo's numbers depend on the seed, not on the machine's core count: a short demo (warm-start
 and a few KL-Cov steps) on a machine that offers 1 and one that offers 2 threads (OMP_NUM_THREADS)
-writes exactly the same metrics, because the demo pins torch's threads (--threads, trainer.threads);
-and training the algorithms one after the other or at once (--jobs) changes nothing either.
+writes exactly the same metrics and the same evaluation on harder.parquet, because the demo pins torch's
+threads (--threads, trainer.threads); and training the algorithms one after the other or at once (--jobs) changes nothing either.
 Left to follow the machine, the warm-start already differs in the 10th digit."""
 
 import json
@@ -25,13 +25,18 @@ def _short_demo(out: Path, threads: int, algos: str, jobs: int) -> list[dict]:
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "kl_cov" / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows]
+    harder = json.loads((out / "kl_cov" / "harder_eval.json").read_text())
+    assert "Held-out problems with 3 operations (training has 1 to 2), 16 prompts" in res.stdout
+    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows], harder
 
 
 @pytest.mark.slow
 def test_demo_metrics_do_not_depend_on_the_thread_count(tmp_path):
-    one = _short_demo(tmp_path / "t1", 1, "kl_cov", 1)
-    two = _short_demo(tmp_path / "t2", 2, "grpo,kl_cov", 2)
+    one, harder_one = _short_demo(tmp_path / "t1", 1, "kl_cov", 1)
+    two, harder_two = _short_demo(tmp_path / "t2", 2, "grpo,kl_cov", 2)
     assert [r["step"] for r in one] == [0, 1, 2, 3]
     assert one == two
     assert one[-1]["entropy"] > 0 and "val_acc" in one[-1]
+    # the evaluation on the problems with one operation more (start model and end) is as reproducible
+    assert harder_one == harder_two and harder_one["end"]["prompts"] == 16
+    assert {"pass@8", "mean@8", "distinct_answers"} <= set(harder_one["start"]) == set(harder_one["end"])

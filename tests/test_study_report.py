@@ -82,3 +82,41 @@ def test_study_tables_say_whether_the_gap_excludes_zero():
     assert f"- kl_cov − kl_cov_random, final entropy: {c['mean']:.3f} ± {c['ci95']:.3f}" in "\n".join(lines2)
     same = {"grpo": numbers["grpo"], "kl_cov": [_run(0.4, 0.15, 0.8, seed=20 + s) for s in range(3)]}
     assert not study_tables(same, 8)[1]["arms"]["kl_cov"]["entropy_gap"]["excludes_zero"]
+
+
+def _harder(start_p8, end_p8, end_m8, seed):
+    import random
+
+    rng = random.Random(seed)
+    end = {"prompts": 64, "pass@8": end_p8 + rng.uniform(-0.02, 0.02), "mean@8": end_m8 + rng.uniform(-0.02, 0.02),
+           "distinct_answers": 1.5 + rng.uniform(-0.1, 0.1)}
+    start = {"prompts": 64, "pass@8": start_p8, "mean@8": 0.19, "distinct_answers": 3.6}
+    return {"k": 8, "temperature": 0.6, "start": start, "end": end}
+
+
+def test_harder_split_section_gives_changes_and_gaps_with_intervals():
+    numbers = {"grpo": [dict(_run(0.4, 0.1, 0.9, seed=s), harder=_harder(0.6, 0.25, 0.14, s)) for s in range(3)],
+               "clip_cov": [dict(_run(0.4, 0.2, 0.9, seed=5 + s), harder=_harder(0.6, 0.55, 0.33, 5 + s))
+                            for s in range(3)]}
+    lines, summary = study_tables(numbers, 8)
+    text = "\n".join(lines)
+    assert "Held-out problems with one operation more than any training problem (64 prompts, 8 samples" in text
+    assert "| start model | 0.600 ± 0.000 | 0.190 ± 0.000 | 3.60 ± 0.00 | — | — | — |" in text
+    h = summary["harder"]["arms"]
+    # GRPO lost ~0.35 of pass@8 against its own start: the change is negative and starred (excludes 0)
+    assert h["grpo"]["pass@8_change"]["mean"] == pytest.approx(-0.35, abs=0.03)
+    assert "pass@8_gap" not in h["grpo"]  # no gap of the baseline to itself
+    gap = h["clip_cov"]["pass@8_gap"]
+    assert gap["mean"] == pytest.approx(0.30, abs=0.04) and abs(gap["mean"]) > gap["ci95"]
+    assert h["clip_cov"]["mean@8_gap"]["mean"] == pytest.approx(0.19, abs=0.04)
+    row = next(ln for ln in lines if ln.startswith("| clip_cov | ") and "±" in ln and ln.count("|") == 8)
+    assert row.endswith(f"| {gap['mean']:.3f} ± {gap['ci95']:.3f} * | "
+                        f"{h['clip_cov']['mean@8_gap']['mean']:.3f} ± {h['clip_cov']['mean@8_gap']['ci95']:.3f} * |")
+    # a contrast is stated the same way, under its own key
+    lines_c, summary_c = study_tables(numbers, 8, contrasts=[("clip_cov", "grpo")])
+    vs = summary_c["harder"]["arms"]["clip_cov"]["pass@8_gap_vs_grpo"]
+    assert vs == gap and f"- clip_cov − grpo: pass@8 {gap['mean']:.3f} ± {gap['ci95']:.3f} *, mean@8 " in "\n".join(lines_c)
+    # one run without the evaluation: no section at all rather than a mean over some seeds
+    numbers["grpo"][1] = dict(numbers["grpo"][1], harder=None)
+    lines2, summary2 = study_tables(numbers, 8)
+    assert "harder" not in summary2 and not any("one operation more" in ln for ln in lines2)

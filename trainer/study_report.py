@@ -223,7 +223,7 @@ def study_tables(numbers: dict[str, list[dict[str, Any]]], pass_k: int, baseline
         lines.append(f"- the start model (step 0, every run's first evaluation): pass@{pass_k} {_cell(*sp)}, "
                      f"mean@{pass_k} {_cell(*sm)}{sd_text}.")
         lines += _changes_from_start(numbers, pass_k, summary)
-    lines += _harder_lines(numbers, baseline, summary)
+    lines += _harder_lines(numbers, baseline, summary, contrasts)
     lines += ["", "Which tokens the covariance methods acted on (means over steps and seeds):", "",
               "| arm | tokens per update | share with A > 0 | mean p | mean c_t |", "|---|---:|---:|---:|---:|"]
     for arm, runs in numbers.items():
@@ -298,10 +298,11 @@ def _changes_from_start(numbers: dict[str, list[dict[str, Any]]], pass_k: int, s
     return lines
 
 
-def _harder_lines(numbers: dict[str, list[dict[str, Any]]], baseline: str, summary: dict[str, Any]) -> list[str]:
+def _harder_lines(numbers: dict[str, list[dict[str, Any]]], baseline: str, summary: dict[str, Any],
+                  contrasts: Sequence[tuple[str, str]] = ()) -> list[str]:
     """The held-out problems with one operation more than training, where every run has them: per arm the end's
     pass@k, mean@k and distinct answers (mean ± CI across seeds), the start model's, each arm's pass@k change
-    from its start (paired by seed) and its pass@k and mean@k gaps to the baseline (Welch)."""
+    from its start (paired by seed) and its pass@k and mean@k gaps to the baseline (Welch); then each contrast's."""
     if not numbers or not all(r.get("harder") for runs in numbers.values() for r in runs):
         return []
     first = next(iter(numbers.values()))[0]["harder"]
@@ -337,6 +338,12 @@ def _harder_lines(numbers: dict[str, list[dict[str, Any]]], baseline: str, summa
         gap_cells = [cell(g) for g in gaps.values()] or ["—", "—"]
         lines.append(f"| {arm} | {_cell(*stats[metrics[0]])} | {_cell(*stats[metrics[1]])} | "
                      f"{_cell(*stats['distinct_answers'], '.2f')} | {cell(change)} | " + " | ".join(gap_cells) + " |")
+    if contrasts:
+        lines.append("")
+    for arm, other in contrasts:
+        gaps = {m: diff_ci(*[[r["harder"]["end"][m] for r in numbers[x]] for x in (arm, other)]) for m in metrics[:2]}
+        out["arms"][arm].update({f"{m}_gap_vs_{other}": {"mean": g[0], "ci95": g[1]} for m, g in gaps.items()})
+        lines.append(f"- {arm} − {other}: " + ", ".join(f"{m} {cell(g)}" for m, g in gaps.items()) + ".")
     summary["harder"] = out
     return lines
 
