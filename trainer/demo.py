@@ -1,12 +1,14 @@
 """`make demo`: GRPO vs Clip-Cov vs KL-Cov on a tiny model, on CPU, in minutes.
 
-1. writes the synthetic arithmetic task (runs/demo/data/{train,val}.parquet);
+1. writes the synthetic arithmetic task (runs/demo/data/{train,val}.parquet) and harder.parquet, held-out
+   problems with one operation more than any training problem;
 2. builds a tiny Qwen2-architecture model and its offline tokenizer, and warm-starts it with a short
    supervised run on worked solutions in four styles (runs/demo/sft/model), so that it answers some
    problems right and has real entropy over how to answer;
 3. trains GRPO (vanilla loss), Clip-Cov and KL-Cov from that same start and seed with configs/demo.yaml
    (runs/demo/<algo>/metrics.jsonl);
-4. writes runs/demo/report.md and the plots (entropy.png, val_acc.png, law.png) and prints a summary.
+4. evaluates the start model and each run's end on harder.parquet (pass@8, mean@8; <algo>/harder_eval.json);
+5. writes runs/demo/report.md and the plots (entropy.png, val_acc.png, law.png) and prints a summary.
 
 Running it again is safe: each algorithm's earlier run directory is moved aside to
 ``runs/demo/<algo>.old-<time>`` (trainer --overwrite), nothing is deleted.
@@ -160,7 +162,8 @@ def harder_lines(harder: dict[str, dict], ops: int) -> list[str]:
     if not harder:
         return []
     first = next(iter(harder.values()))
-    lines = [f"Held-out problems with {ops} operations (training has 1 to {ops - 1}), {first['end']['prompts']} "
+    trained = "1" if ops == 2 else "1 or 2" if ops == 3 else f"1 to {ops - 1}"
+    lines = [f"Held-out problems with {ops} operations (training problems have {trained}), {first['end']['prompts']} "
              f"prompts, {k} samples each at T = {HARDER_TEMPERATURE}:", "",
              f"| model | pass@{k} | mean@{k} | answers per prompt |", "|---|---:|---:|---:|"]
     rows = [("start model", first["start"])] + [(name, h["end"]) for name, h in harder.items()]

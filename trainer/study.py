@@ -21,7 +21,9 @@ the selection diagnostics, the entropy law's 15% holdout on ``grpo`` and ``entro
 (``trainer/study_report.py``); ``pass_k`` (default 8) picks the pass@k column; ``contrasts: ["kl_cov -
 kl_cov_random"]`` adds those arm-to-arm gaps (an arm against its control). ``setup: demo`` runs steps
 1-2 of ``make demo`` into ``<out>/data`` and ``<out>/sft`` (``--reuse-sft`` keeps
-an existing warm-start model) and points every arm at them; ``task: {max_ops: 3, style_weights: [...]}`` changes
+an existing warm-start model) and points every arm at them, and after training evaluates the start model and
+every run on ``<out>/data/harder.parquet`` (problems with one operation more than training; the report's
+own table); ``task: {max_ops: 3, style_weights: [...]}`` changes
 that task and warm-start as the demo's ``--max-ops``, ``--max-value`` and ``--style-weights`` do;
 ``setup: none`` leaves model and data to the base config and overrides. Command-line KEY=VALUE overrides
 apply to every arm, after the study's own.
