@@ -26,6 +26,7 @@ def _short_demo(out: Path, threads: int, algos: str, jobs: int) -> list[dict]:
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "kl_cov" / "metrics.jsonl").read_text().splitlines()]
     harder = json.loads((out / "kl_cov" / "harder_eval.json").read_text())
+    assert harder.pop("data") == str(out / "data" / "harder.parquet")  # the one entry that names the machine's path
     assert "Held-out problems with 3 operations (training problems have 1 or 2), 16 prompts" in res.stdout
     return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows], harder
 
