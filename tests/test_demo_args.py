@@ -1,4 +1,5 @@
-"""The demo's command line refuses bad --style-weights naming the flag, before any work starts."""
+"""The demo's command line refuses bad --style-weights naming the flag, before any work starts; its evaluation on
+harder.parquet skips, and names, what it cannot evaluate."""
 
 import pytest
 
@@ -49,3 +50,20 @@ def test_demo_module_reexecutes_with_the_pinned_cpu_paths():
                          env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "--style-weights" in out.stdout
+
+
+def test_harder_evaluation_skips_what_it_cannot_evaluate(tmp_path, capsys):
+    from types import SimpleNamespace
+
+    from fastcov.trainer import demo
+
+    cfg = SimpleNamespace(trainer=SimpleNamespace(seed=0, threads=1), rollout=SimpleNamespace(max_new_tokens=8))
+    runs, cfgs = {("grpo", None): tmp_path / "grpo"}, {("grpo", None): cfg}
+    # no harder.parquet (a task written before it had one): nothing evaluated, nothing said
+    assert demo.evaluate_harder_runs(runs, cfgs, tmp_path / "harder.parquet", tmp_path / "sft", "demo") == {}
+    # a run that stopped before exporting its final model is named and skipped; the others would go on
+    (tmp_path / "harder.parquet").write_bytes(b"")
+    (tmp_path / "grpo").mkdir()
+    assert demo.evaluate_harder_runs(runs, cfgs, tmp_path / "harder.parquet", tmp_path / "sft", "demo") == {}
+    assert "no final model, not evaluated on harder.parquet" in capsys.readouterr().out
+    assert not (tmp_path / "grpo" / "harder_eval.json").exists()

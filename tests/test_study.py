@@ -119,6 +119,11 @@ def test_multi_seed_study_reports_intervals_and_the_law(tmp_path):
     m1 = (tmp_path / "grpo" / "seed1" / "metrics.jsonl").read_text()
     assert m0 != m1, "seeds must change the run"
     assert (tmp_path / "entropy_bands.png").is_file()
+    # the start model and every run evaluated on the problems with one operation more, in their own table
+    harder = json.loads((tmp_path / "kl_cov_random" / "seed1" / "harder_eval.json").read_text())
+    assert harder["seed"] == 1 and harder["start"]["prompts"] == harder["end"]["prompts"] == 4
+    assert "Held-out problems with one operation more than any training problem (4 prompts" in text
+    assert set(summary["harder"]["arms"]) == {"grpo", "kl_cov_random"}
     # --report-only trains nothing and writes the same report again, keeping the recorded wall time
     (tmp_path / "report.md").unlink()
     metrics_before = m0

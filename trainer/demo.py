@@ -116,8 +116,8 @@ def evaluate_harder(run_dir: Path, start_model: Path, data_file: Path, seed: int
                     cache: dict | None = None, threads: int = 1) -> dict:
     """pass@8, mean@8 and distinct answers per prompt on ``data_file`` of ``start_model`` ("start") and of the
     run's final model ("end"), sampled with the run's seed on ``threads`` torch threads; also written to
-    ``<run_dir>/harder_eval.json``. ``cache`` holds the start model's numbers by seed: every arm of a seed starts
-    from the same model and samples the same way."""
+    ``<run_dir>/harder_eval.json``. ``cache`` holds the start model's numbers by seed and response length: every
+    arm of a seed starts from the same model and samples the same way."""
     import json
 
     import torch
@@ -134,10 +134,11 @@ def evaluate_harder(run_dir: Path, start_model: Path, data_file: Path, seed: int
     torch.set_num_threads(threads)
     try:
         cache = {} if cache is None else cache
-        if (str(start_model), seed) not in cache:
-            cache[(str(start_model), seed)] = numbers(start_model)
+        key = (str(start_model), seed, max_new_tokens)
+        if key not in cache:
+            cache[key] = numbers(start_model)
         out = {"data": str(data_file), "k": HARDER_K, "temperature": HARDER_TEMPERATURE, "seed": seed,
-               "start": cache[(str(start_model), seed)], "end": numbers(Path(run_dir) / "final")}
+               "start": cache[key], "end": numbers(Path(run_dir) / "final")}
     finally:
         torch.set_num_threads(threads_before)
     (Path(run_dir) / "harder_eval.json").write_text(json.dumps(out, indent=1) + "\n")
@@ -152,8 +153,14 @@ def evaluate_harder_runs(run_dirs: dict, cfgs: dict, data_file: Path, start_mode
     print(f"[{tag}] evaluating the start model and every run on {data_file} ({HARDER_K} samples per prompt)",
           flush=True)
     cache: dict = {}
-    return {key: evaluate_harder(d, start_model, data_file, cfgs[key].trainer.seed, cfgs[key].rollout.max_new_tokens,
-                                 cache, max(1, cfgs[key].trainer.threads)) for key, d in run_dirs.items()}
+    out = {}
+    for key, d in run_dirs.items():
+        if not (Path(d) / "final" / "config.json").is_file():  # a run that stopped before its export
+            print(f"[{tag}] {d}: no final model, not evaluated on {data_file.name}", flush=True)
+            continue
+        out[key] = evaluate_harder(d, start_model, data_file, cfgs[key].trainer.seed, cfgs[key].rollout.max_new_tokens,
+                                   cache, max(1, cfgs[key].trainer.threads))
+    return out
 
 
 def harder_lines(harder: dict[str, dict], ops: int) -> list[str]:
