@@ -124,6 +124,7 @@ def test_multi_seed_study_reports_intervals_and_the_law(tmp_path):
     assert harder["seed"] == 1 and harder["start"]["prompts"] == harder["end"]["prompts"] == 4
     assert "Held-out problems with one operation more than any training problem (4 prompts" in text
     assert set(summary["harder"]["arms"]) == {"grpo", "kl_cov_random"}
+    assert (tmp_path / "harder.png").is_file() and "![problems with one operation more](harder.png)" in text
     # --report-only trains nothing and writes the same report again, keeping the recorded wall time
     (tmp_path / "report.md").unlink()
     metrics_before = m0

@@ -337,7 +337,7 @@ def _seed_report(study, args, out: Path, base: str, arms, seeds, run_dirs, timin
     """report.md, study.json and entropy_bands.png of a multi-seed study (mean ± 95% CI across seeds)."""
     import json
 
-    from fastcov.trainer.study_report import plot_bands, run_numbers, study_tables
+    from fastcov.trainer.study_report import plot_bands, plot_harder, run_numbers, study_tables
 
     pass_k = int(study.get("pass_k", 8))
     numbers = {a: [run_numbers(run_dirs[(a, sd)], pass_k) for sd in seeds] for a in arms}
@@ -351,7 +351,9 @@ def _seed_report(study, args, out: Path, base: str, arms, seeds, run_dirs, timin
             "Entropy end: mean of the last 10% of steps. pass@k / mean@k: the last evaluation.", ""]
     if study.get("notes"):
         head += [str(study["notes"]).strip(), ""]
-    body = head + lines + (["", f"![entropy across seeds]({plot.name})"] if plot else [])
+    bars = plot_harder(summary["harder"], out / "harder.png") if "harder" in summary else None
+    body = head + lines + (["", f"![entropy across seeds]({plot.name})"] if plot else []) + (
+        ["", f"![problems with one operation more]({bars.name})"] if bars else [])
     (out / "report.md").write_text("\n".join(body) + "\n")
     summary.update(seeds=seeds, pass_k=pass_k, wall_s=total, arm_seconds=timings,
                    runs={f"{a}/seed{sd}": str(run_dirs[(a, sd)]) for a, sd in run_dirs})

@@ -373,3 +373,35 @@ def plot_bands(numbers: dict[str, list[dict[str, Any]]], path: Path) -> Path | N
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def plot_harder(harder: dict[str, Any], path: Path) -> Path | None:
+    """pass@k and mean@k on the held-out problems with one operation more than training: the start model and each
+    arm, bars at the mean over seeds with their 95% intervals (``summary["harder"]`` from ``study_tables``)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    k = harder["k"]
+    names = ["start model"] + list(harder["arms"])
+    rows = [harder["start"]] + list(harder["arms"].values())
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(names)), 4))
+    width = 0.38
+    for j, metric in enumerate((f"pass@{k}", f"mean@{k}")):
+        xs = [i + (j - 0.5) * width for i in range(len(names))]
+        means = [r[metric]["mean"] for r in rows]
+        errs = [r[metric]["ci95"] or 0.0 for r in rows]
+        ax.bar(xs, means, width, yerr=errs, capsize=3, label=metric)
+    ax.set_xticks(range(len(names)), names, rotation=20, ha="right")
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("accuracy")
+    ax.set_title(f"Problems with one operation more than training, {k} samples each\n"
+                 "(bars: mean over seeds, whiskers: 95% CI)", fontsize=10)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
