@@ -170,6 +170,12 @@ def law_holdout(numbers: dict[str, Any], fit_fraction: float = 0.15) -> dict[str
 # ---------------------------------------------------------------- the report
 
 
+def _mean_ci_of_known(values: Sequence[float | None]) -> tuple[float | None, float | None]:
+    """``mean_ci`` of the values that are not None; (None, None) when none is."""
+    known = [v for v in values if v is not None]
+    return mean_ci(known) if known else (None, None)
+
+
 def _excludes_zero(mean: float, half: float | None) -> bool:
     return half is not None and abs(mean) > half
 
@@ -194,8 +200,7 @@ def study_tables(numbers: dict[str, list[dict[str, Any]]], pass_k: int, baseline
     for arm, runs in numbers.items():
         stats = {}
         for k in keys:
-            vals = [r[k] for r in runs if r.get(k) is not None]
-            stats[k] = mean_ci(vals) if vals else (None, None)
+            stats[k] = _mean_ci_of_known([r.get(k) for r in runs])
         base_mean = sum(base_end) / len(base_end) if base_end else 0.0
         end = stats["final_entropy"][0]
         ratio = end / base_mean if base_mean > 0 and end is not None else None
@@ -309,15 +314,11 @@ def _harder_lines(numbers: dict[str, list[dict[str, Any]]], baseline: str, summa
     k = first["k"]
     metrics = (f"pass@{k}", f"mean@{k}", "distinct_answers")
 
-    def stat(values):
-        vals = [v for v in values if v is not None]
-        return mean_ci(vals) if vals else (None, None)
-
     def cell(ci, spec=".3f"):
         return _cell(*ci, spec) + (" *" if ci[0] is not None and _excludes_zero(*ci) else "")
 
     starts = [r["harder"]["start"] for runs in numbers.values() for r in runs]
-    start = {m: stat([s.get(m) for s in starts]) for m in metrics}
+    start = {m: _mean_ci_of_known([s.get(m) for s in starts]) for m in metrics}
     out: dict[str, Any] = {"k": k, "start": {m: {"mean": a, "ci95": b} for m, (a, b) in start.items()}, "arms": {}}
     lines = ["", f"Held-out problems with one operation more than any training problem ({first['end']['prompts']} "
              f"prompts, {k} samples each at T = {first['temperature']}; * marks a 95% interval that excludes 0):",
@@ -328,8 +329,8 @@ def _harder_lines(numbers: dict[str, list[dict[str, Any]]], baseline: str, summa
     base = [r["harder"]["end"] for r in numbers.get(baseline, [])]
     for arm, runs in numbers.items():
         ends = [r["harder"]["end"] for r in runs]
-        stats = {m: stat([e.get(m) for e in ends]) for m in metrics}
-        change = stat([r["harder"]["end"][metrics[0]] - r["harder"]["start"][metrics[0]] for r in runs])
+        stats = {m: _mean_ci_of_known([e.get(m) for e in ends]) for m in metrics}
+        change = _mean_ci_of_known([r["harder"]["end"][metrics[0]] - r["harder"]["start"][metrics[0]] for r in runs])
         gaps = {m: diff_ci([e[m] for e in ends], [b[m] for b in base]) for m in metrics[:2]} \
             if base and arm != baseline else {}
         out["arms"][arm] = {name: {"mean": a, "ci95": b} for name, (a, b) in
