@@ -172,7 +172,7 @@ class Smoke:
         """One weight sync policy -> engine, timed to the end of its GPU work (seconds)."""
         import torch
 
-        from fastcov.trainer.weight_sync import iter_buckets
+        from fastcov.trainer.runtime.weight_buckets import iter_buckets
 
         t0 = time.perf_counter()
         self.eng.update_weights(iter_buckets(self.named, self.cap))
@@ -187,7 +187,7 @@ def start_engine(lm, run_dir: str, bucket_mb: float, gpu_util: float, dev, res: 
     """Build the engine (timed) and record its version and the GPU memory it leaves free asleep."""
     import torch
 
-    from fastcov.trainer.weight_sync import bucket_bytes_from_mb
+    from fastcov.trainer.runtime.weight_buckets import bucket_bytes_from_mb
 
     named = list(lm.named_parameters()) + list(lm.named_buffers())
     free0 = torch.cuda.mem_get_info()[0]

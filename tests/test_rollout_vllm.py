@@ -15,7 +15,7 @@ import torch
 
 from fastcov.trainer import rollout_vllm as rv
 from fastcov.trainer.rollout import SamplingParams, finish_rollouts, split_evenly
-from fastcov.trainer.weight_sync import iter_buckets
+from fastcov.trainer.runtime.weight_buckets import iter_buckets
 
 ROOT = Path(__file__).resolve().parent.parent
 

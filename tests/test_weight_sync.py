@@ -1,4 +1,4 @@
-"""Bucketed weight sync (trainer/weight_sync.py, PolicyEngine.weight_buckets, HFRolloutEngine.update_weights)."""
+"""Bucketed weight sync (trainer/runtime/weight_buckets.py, PolicyEngine.weight_buckets, HFRolloutEngine.update_weights)."""
 
 import contextlib
 import json
@@ -11,7 +11,7 @@ import torch
 from _dist import free_port as _free_port
 from _dist import shutdown_process_group, spawn_ranks
 
-from fastcov.trainer.weight_sync import (
+from fastcov.trainer.runtime.weight_buckets import (
     ALIGN,
     Bucket,
     BucketMeta,

@@ -166,7 +166,7 @@ class PolicyEngine:
         them) only while the consumer holds the bucket: every rank must iterate to the end, and a
         consumer is done with a bucket before asking for the next one.
         """
-        from fastcov.trainer.weight_sync import bucket_bytes_from_mb, iter_buckets
+        from fastcov.trainer.runtime.weight_buckets import bucket_bytes_from_mb, iter_buckets
 
         lm = self.policy.lm
         gather = None

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fastcov.trainer.weight_sync import drain, iter_named
+from fastcov.trainer.runtime.weight_buckets import drain, iter_named
 
 
 def kv_cache_argument(model: nn.Module) -> str:

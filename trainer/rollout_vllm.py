@@ -64,7 +64,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fastcov.trainer.rollout import RolloutBatch, RolloutEngine, SamplingParams, finish_rollouts, split_evenly
-from fastcov.trainer.weight_sync import as_buckets, bucket_bytes_from_mb, drain, iter_buckets
+from fastcov.trainer.runtime.weight_buckets import as_buckets, bucket_bytes_from_mb, drain, iter_buckets
 
 SUPPORTED = ">=0.26,<0.34"
 _MIN, _BELOW = (0, 26), (0, 34)
