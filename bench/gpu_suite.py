@@ -580,8 +580,8 @@ def trl_setup(cfg, spec: dict, tokenizer) -> tuple[dict, object, object]:
     """(GRPOConfig kwargs, prompt dataset, reward function) matching the trainer's batch."""
     import datasets
 
+    from fastcov.trainer.data.synthetic import generate
     from fastcov.trainer.rewards import RewardFn
-    from fastcov.trainer.synthetic import generate
 
     t, r, cuda = cfg.trainer, cfg.rollout, torch.cuda.is_available()
     rows = t.prompts_per_step * r.n
@@ -611,8 +611,8 @@ def trl_worker(spec: dict) -> dict:
     import trl
 
     from fastcov.trainer.config import load_config
-    from fastcov.trainer.engine import pick_device
-    from fastcov.trainer.model import build_model, load_tokenizer
+    from fastcov.trainer.runtime.distributed import pick_device
+    from fastcov.trainer.runtime.model import build_model, load_tokenizer
 
     cfg = load_config(spec["config"], spec["overrides"])
     device = pick_device(cfg.trainer.device)

@@ -17,40 +17,20 @@ import importlib
 import os
 import sys
 
+from fastcov.errors import UsageError, UserError, one_line  # noqa: F401 - re-exported
+
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("fastcov.trainer.cli_train", "train a policy with GRPO/DAPO and Clip-Cov/KL-Cov"),
-    "eval": ("fastcov.trainer.cli_eval", "evaluate a checkpoint (avg@k, pass@k, diversity, calibration)"),
-    "report": ("fastcov.trainer.cli_report", "write report.md and plots from run directories"),
+    "train": ("fastcov.trainer.commands.train", "train a policy with GRPO/DAPO and Clip-Cov/KL-Cov"),
+    "eval": ("fastcov.trainer.commands.eval", "evaluate a checkpoint (avg@k, pass@k, diversity, calibration)"),
+    "report": ("fastcov.trainer.commands.report", "write report.md and plots from run directories"),
     "fit-law": ("fastcov.law_cli", "fit the entropy law R = -a*exp(H) + b to a metrics.jsonl"),
     "plan": ("fastcov.plan", "per-GPU memory plan for a model, GPU count and token budget"),
 }
 
 
-class UserError(Exception):
-    """A failure the user caused and can fix: ``str(exc)`` names the argument, key or file and what to do.
-
-    The CLI prints it as one line (no traceback) and exits with ``exit_code``: 2 for usage errors (bad
-    arguments, config values, input files), 1 for a run that cannot continue (e.g. a failed rollout
-    engine). Library callers catch it like any exception; subclasses also derive from the builtin they
-    refine (``ConfigError`` is a ``ValueError``, a missing data file a ``FileNotFoundError``).
-    """
-
-    exit_code = 2
-
-
 def debug_enabled() -> bool:
     return os.environ.get("FASTCOV_DEBUG", "").strip().lower() not in ("", "0", "false", "no")
-
-
-def one_line(message: object) -> str:
-    """``message`` as a single line (later lines of a multi-line message are joined with ' | ')."""
-    lines = [ln.strip() for ln in str(message).splitlines() if ln.strip()]
-    return " | ".join(lines) if lines else "error"
-
-
-class UsageError(UserError):
-    """A bad command line (argparse's complaint)."""
 
 
 class _Parser(argparse.ArgumentParser):

@@ -79,7 +79,7 @@ def read_metrics(path: str | Path, x_key: str, y_key: str) -> tuple[list[float],
 
 
 def run(args: argparse.Namespace) -> int:
-    from fastcov.cli import UsageError
+    from fastcov.errors import UsageError
     from fastcov.law import fit_entropy_law
 
     prog = "fastcov fit-law"

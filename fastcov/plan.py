@@ -360,7 +360,7 @@ def run(args: argparse.Namespace) -> int:
                            gpu_memory_gib=args.gpu_memory, rollout_tp=args.rollout_tp,
                            kv_tokens_per_gpu=args.kv_tokens, gradient_checkpointing=not args.no_checkpointing)
     except ValueError as exc:
-        from fastcov.cli import UsageError
+        from fastcov.errors import UsageError
 
         raise UsageError(str(exc)) from None
     print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))

@@ -227,7 +227,7 @@ def _load_config():
 
 
 def _read_parquet():
-    from fastcov.trainer.data import read_parquet
+    from fastcov.trainer.data.loading import read_parquet
 
     return read_parquet
 

@@ -13,15 +13,14 @@ import torch
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from fastcov.trainer.checkpoint import (  # noqa: E402
+from fastcov.trainer.runtime.checkpoint import (  # noqa: E402
     CheckpointError,
     latest_checkpoint,
     list_checkpoints,
-    move_aside,
     rng_state,
     set_rng_state,
-    trim_metrics,
 )
+from fastcov.trainer.runtime.run_dir import move_aside, trim_metrics  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -140,7 +139,7 @@ def _cfg(run_dir, *extra):
 def test_run_dir_is_refused_moved_aside_or_resumed(tmp_path, varied_rewards, capsys):
     train_mod = varied_rewards
     from fastcov.cli import main
-    from fastcov.trainer.metrics import read_metrics
+    from fastcov.trainer.runtime.run_dir import read_metrics
 
     run = tmp_path / "run"
     train_mod.train(_cfg(run))
@@ -169,7 +168,7 @@ def test_run_dir_is_refused_moved_aside_or_resumed(tmp_path, varied_rewards, cap
 def test_crash_between_checkpoint_write_and_publish(tmp_path, varied_rewards, monkeypatch):
     """The step's metrics row is durable, its checkpoint is not published: resume redoes the step once."""
     train_mod = varied_rewards
-    from fastcov.trainer.metrics import read_metrics
+    from fastcov.trainer.runtime.run_dir import read_metrics
 
     class Crash(Exception):
         pass

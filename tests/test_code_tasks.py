@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from fastcov.trainer.code_tasks import (
+from fastcov.trainer.rewards.code_task import (
     CodeRewardFn,
     code_row,
     extract_code,
@@ -51,7 +51,7 @@ def test_tiny_run_on_the_code_task(tmp_path):
     pytest.importorskip("transformers")
     from fastcov.trainer import train as train_mod
     from fastcov.trainer.config import load_config
-    from fastcov.trainer.metrics import read_metrics
+    from fastcov.trainer.runtime.run_dir import read_metrics
 
     write_code_task(str(tmp_path / "train.jsonl"), str(tmp_path / "val.jsonl"), n_train=16, n_val=4)
     cfg = load_config("configs/tiny.yaml", [

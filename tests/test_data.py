@@ -3,8 +3,8 @@
 import pandas as pd
 import pytest
 
-from fastcov.trainer import synthetic
-from fastcov.trainer.data import PromptSampler, load_examples, read_parquet, split_train_val
+from fastcov.trainer.data import synthetic
+from fastcov.trainer.data.loading import PromptSampler, load_examples, read_parquet, split_train_val
 from fastcov.trainer.rewards import RewardFn
 
 

@@ -3,7 +3,7 @@ harder.parquet skips, and names, what it cannot evaluate."""
 
 import pytest
 
-from fastcov.trainer.demo import main
+from fastcov.trainer.experiments.demo import main
 
 
 @pytest.mark.parametrize("weights", ["0.5,0.5", "1,1,1,x", "1,-1,1,1", "0,0,0,0"])
@@ -16,7 +16,7 @@ def test_bad_style_weights_are_refused_with_the_flag_named(weights, tmp_path, ca
 
 
 def test_reproducible_cpu_env_pins_avx2_paths_once_and_keeps_user_values():
-    from fastcov.trainer.demo import REPRODUCIBLE_CPU_ENV, reproducible_cpu_env
+    from fastcov.trainer.experiments.demo import REPRODUCIBLE_CPU_ENV, reproducible_cpu_env
 
     avx2 = {"sse4_2", "avx", "avx2", "fma"}
     env = reproducible_cpu_env({"PATH": "/bin"}, "x86_64", avx2 | {"avx512f"})
@@ -37,7 +37,7 @@ def test_demo_module_reexecutes_with_the_pinned_cpu_paths():
     import subprocess
     import sys
 
-    from fastcov.trainer.demo import REPRODUCIBLE_CPU_ENV
+    from fastcov.trainer.experiments.demo import REPRODUCIBLE_CPU_ENV
 
     flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
     if platform.machine() != "x86_64" or " avx2" not in flags:
@@ -46,7 +46,7 @@ def test_demo_module_reexecutes_with_the_pinned_cpu_paths():
     # without the re-exec this script prints nothing; with it, the re-executed demo prints its --help
     out = subprocess.run([sys.executable, "-c",
                           "import sys; sys.argv = ['demo', '--help'];"
-                          "import fastcov.trainer.demo as d; d.reexec_for_reproducible_cpu('fastcov.trainer.demo')"],
+                          "import fastcov.trainer.experiments.demo as d; d.reexec_for_reproducible_cpu('fastcov.trainer.experiments.demo')"],
                          env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "--style-weights" in out.stdout
@@ -55,7 +55,7 @@ def test_demo_module_reexecutes_with_the_pinned_cpu_paths():
 def test_harder_evaluation_skips_what_it_cannot_evaluate(tmp_path, capsys):
     from types import SimpleNamespace
 
-    from fastcov.trainer import demo
+    from fastcov.trainer.experiments import demo
 
     cfg = SimpleNamespace(trainer=SimpleNamespace(seed=0, threads=1), rollout=SimpleNamespace(max_new_tokens=8))
     runs, cfgs = {("grpo", None): tmp_path / "grpo"}, {("grpo", None): cfg}

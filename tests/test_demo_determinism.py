@@ -19,7 +19,7 @@ VOLATILE = ("time/", "tokens_per_s")
 
 def _short_demo(out: Path, threads: int, algos: str, jobs: int) -> list[dict]:
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS=str(threads))
-    cmd = [sys.executable, "-m", "fastcov.trainer.demo", "--out", str(out), "--algos", algos, "--jobs", str(jobs),
+    cmd = [sys.executable, "-m", "fastcov.trainer.experiments.demo", "--out", str(out), "--algos", algos, "--jobs", str(jobs),
            "--sft-steps", "15", "--n-train", "200", "--n-val", "16",
            "trainer.max_steps=3", "trainer.eval_every=3", "trainer.prompts_per_step=8"]
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

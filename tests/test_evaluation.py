@@ -20,8 +20,10 @@ from fastcov.metrics import (  # noqa: E402
     pass_at_k_table,
     sequence_confidence,
 )
+from fastcov.trainer import evaluation  # noqa: E402
 from fastcov.trainer import train as train_mod  # noqa: E402
 from fastcov.trainer.config import Config  # noqa: E402
+from fastcov.trainer.rewards import extract_boxed  # noqa: E402
 from fastcov.trainer.rollout import RolloutBatch  # noqa: E402
 
 
@@ -51,6 +53,9 @@ class FakeTok:
 
 
 class FakeReward:
+    def final_answer(self, text):
+        return extract_boxed(text)
+
     def check_batch(self, texts, truths):
         return [t == f"\\boxed{{{g}}}" for t, g in zip(texts, truths)]
 
@@ -62,7 +67,7 @@ def test_evaluate_matches_the_metric_functions():
     truth = {p: str(p % 3) if p < 6 else "2" for p in range(1, 7)}  # prompt 6 is never answered right
     val = [SimpleNamespace(prompt_ids=[p], ground_truth=truth[p], data_source="synthetic") for p in range(1, 7)]
     rollout = FakeRollout()
-    res = train_mod.evaluate(rollout, val, FakeReward(), FakeTok(), cfg, 0, 1, torch.device("cpu"), 0)
+    res = evaluation.evaluate(rollout, val, FakeReward(), FakeTok(), cfg, 0, 1, torch.device("cpu"), 0)
     assert rollout.calls[0].temperature == cfg.trainer.eval_temperature  # sampled, not greedy
     # the same samples, scored by hand
     oks, confs, flat_ok, ids_by_p, answers_by_p = [], [], [], [], []
@@ -92,7 +97,7 @@ def test_evaluate_matches_the_metric_functions():
 def test_report_shows_eval_metrics_and_reliability_plot(tmp_path):
     import json
 
-    from fastcov.trainer.report import write_report
+    from fastcov.trainer.experiments.report import write_report
 
     for name, acc in (("a", 0.3), ("b", 0.6)):
         run = tmp_path / name
@@ -131,7 +136,7 @@ def test_fastcov_eval_cli_reports_pass_at_k(tmp_path, capsys):
     assert res["val_pass@1"] <= res["val_pass@2"] <= res["val_pass@4"]
     assert plot.stat().st_size > 1000
     # code tasks: the same metrics, answers run against the rows' tests (this untrained model writes no code)
-    from fastcov.trainer.code_tasks import write_code_task
+    from fastcov.trainer.rewards.code_task import write_code_task
 
     write_code_task(str(tmp_path / "code.jsonl"), None, n_train=3)
     assert main(["eval", "--model", str(run / "final"), "--data", str(tmp_path / "code.jsonl"), "--k", "2",

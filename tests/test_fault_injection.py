@@ -38,9 +38,9 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch
 torch.set_num_threads(1)
 from fastcov.trainer import train as train_mod
-from fastcov.trainer import checkpoint as ckpt_mod
-from fastcov.trainer import metrics as metrics_mod
-from fastcov.trainer import engine as engine_mod
+from fastcov.trainer.runtime import checkpoint as ckpt_mod
+from fastcov.trainer.runtime import metrics as metrics_mod
+from fastcov.trainer.runtime import policy as engine_mod
 from fastcov.trainer.config import load_config
 
 run_dir, mode, steps, fault = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
@@ -71,7 +71,7 @@ def wrap(owner, attr, name, before=False):
 
 wrap(train_mod, "write_checkpoint", "after_write")         # written + fsynced, not yet published
 wrap(train_mod, "publish_checkpoint", "after_publish")     # published, nothing after it done
-wrap(engine_mod.PolicyEngine, "save", "in_ds_save")        # DeepSpeed files written, RNG/state not
+wrap(engine_mod.DeepSpeedPolicy, "save", "in_ds_save")        # DeepSpeed files written, RNG/state not
 wrap(train_mod, "export_final", "in_export", before=True)  # the last checkpoint is out, final/ is not
 real_log = metrics_mod.MetricsLogger.log
 def log(self, record):
@@ -107,7 +107,7 @@ def _launch(tmp: Path, run_dir: Path, mode: str, fault: str) -> subprocess.Popen
 
 
 def _mode(run_dir: Path) -> str:
-    from fastcov.trainer.checkpoint import latest_checkpoint
+    from fastcov.trainer.runtime.checkpoint import latest_checkpoint
 
     if latest_checkpoint(run_dir / "checkpoints") is not None:
         return "resume"

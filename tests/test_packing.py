@@ -1,4 +1,4 @@
-"""Sequence packing and token-budget micro-batches (trainer/batch.py, PolicyModel's packed inputs).
+"""Sequence packing and token-budget micro-batches (trainer/runtime/batch.py, PolicyModel's packed inputs).
 
 Packed rows (several sequences per row, position ids restarting per sequence, attention confined to
 each sequence) must give the log-probs, entropies and gradients of one padded sequence per row, and
@@ -15,7 +15,8 @@ import torch
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 pytest.importorskip("transformers")
 
-from fastcov.trainer.batch import (  # noqa: E402
+from fastcov.trainer.config import load_config  # noqa: E402
+from fastcov.trainer.runtime.batch import (  # noqa: E402
     IGNORE,
     Sequence,
     equalize,
@@ -23,8 +24,7 @@ from fastcov.trainer.batch import (  # noqa: E402
     pack_rows,
     sequence_tensors,
 )
-from fastcov.trainer.config import load_config  # noqa: E402
-from fastcov.trainer.model import PolicyModel, build_model, load_tokenizer, packed_attention  # noqa: E402
+from fastcov.trainer.runtime.model import PolicyModel, build_model, load_tokenizer, packed_attention  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 CPU = torch.device("cpu")
@@ -186,7 +186,7 @@ def test_filler_micro_batches_and_per_sequence_round_trip():
     (True, "cpu", True, "CUDA GPU"), (True, "cuda", False, "pip install 'fastcov\\[liger\\]'"),
 ])
 def test_liger_decision(choice, device, installed, expect):
-    from fastcov.trainer.model import use_liger
+    from fastcov.trainer.runtime.model import use_liger
 
     if isinstance(expect, str):
         with pytest.raises(ValueError, match="model.liger: .*" + expect):

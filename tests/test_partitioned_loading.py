@@ -73,8 +73,9 @@ def _worker(rank, world, port, out_dir, model_dir):
 
     set_malloc_mode("measure")  # glibc hands freed buffers back, so peak RSS follows live tensors
     from fastcov.trainer.config import ModelConfig
-    from fastcov.trainer.engine import PolicyEngine, ds_config, init_distributed
-    from fastcov.trainer.model import PolicyModel, build_model, load_tokenizer
+    from fastcov.trainer.runtime.distributed import init_distributed
+    from fastcov.trainer.runtime.model import PolicyModel, build_model, load_tokenizer
+    from fastcov.trainer.runtime.policy import DeepSpeedPolicy, ds_config
 
     device = torch.device("cpu")
     init_distributed(device)
@@ -100,7 +101,7 @@ def _worker(rank, world, port, out_dir, model_dir):
     lm = build_model(cfg.model, device, torch.float32, tok, ds_config=ds_config(cfg, device, world))
     result["saved_local"] = sum(p.ds_tensor.numel() for p in lm.parameters())
     result["saved_total"] = sum(p.ds_numel for p in lm.parameters())
-    engine = PolicyEngine(PolicyModel(lm), cfg, device, world)
+    engine = DeepSpeedPolicy(PolicyModel(lm), cfg, device, world)
     loaded = _gathered(engine)
     ids, mask, labels = _fixed_batch(tok, 2 * world)
     half = slice(2 * rank, 2 * rank + 2)
@@ -121,7 +122,7 @@ def test_zero3_loads_partitioned_and_steps_like_the_unsharded_run(tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from fastcov.trainer.config import ModelConfig
-    from fastcov.trainer.model import load_tokenizer
+    from fastcov.trainer.runtime.model import load_tokenizer
 
     tok = load_tokenizer(ModelConfig(tokenizer="builtin:arith"))
     arch = dict(SMALL)
@@ -162,12 +163,13 @@ os.environ.update(DS_ACCELERATOR="cpu", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1"
                   MASTER_PORT=str({free_port()}))
 import test_partitioned_loading as T
 from fastcov.trainer.config import ModelConfig
-from fastcov.trainer.engine import PolicyEngine, ds_config, init_distributed
-from fastcov.trainer.model import PolicyModel, build_model, load_tokenizer
+from fastcov.trainer.runtime.distributed import init_distributed
+from fastcov.trainer.runtime.policy import DeepSpeedPolicy, ds_config
+from fastcov.trainer.runtime.model import PolicyModel, build_model, load_tokenizer
 dev = torch.device("cpu"); init_distributed(dev)
 tok = load_tokenizer(ModelConfig(tokenizer="builtin:arith"))
 cfg = T._cfg({str(tmp_path / 'ref')!r}, 0, ["model.path={model_dir}", "model.arch=null", "model.tokenizer=builtin:arith"])
-engine = PolicyEngine(PolicyModel(build_model(cfg.model, dev, torch.float32, tok, ds_config=ds_config(cfg, dev, 1))), cfg, dev, 1)
+engine = DeepSpeedPolicy(PolicyModel(build_model(cfg.model, dev, torch.float32, tok, ds_config=ds_config(cfg, dev, 1))), cfg, dev, 1)
 T._one_step(engine, *T._fixed_batch(tok, 4))
 torch.save(T._gathered(engine), {str(tmp_path / 'ref.pt')!r})
 """

@@ -63,10 +63,10 @@ def test_ce_loss_pushes_scores_toward_the_labels():
 def test_implicit_prm_learns_to_separate_outcomes():
     pytest.importorskip("transformers")
     pytest.importorskip("deepspeed")
-    from fastcov.trainer.batch import Sequence
     from fastcov.trainer.config import load_config
-    from fastcov.trainer.model import build_model, load_tokenizer
-    from fastcov.trainer.prime import FrozenModel, ImplicitPRM
+    from fastcov.trainer.runtime.batch import Sequence
+    from fastcov.trainer.runtime.model import build_model, load_tokenizer
+    from fastcov.trainer.token_level.prime import FrozenModel, ImplicitPRM
 
     cfg = load_config("configs/tiny.yaml")
     torch.manual_seed(0)
@@ -98,7 +98,7 @@ def test_prime_tiny_run_and_resume(tmp_path, monkeypatch):
     pytest.importorskip("transformers")
     from fastcov.trainer import train as train_mod
     from fastcov.trainer.config import load_config
-    from fastcov.trainer.metrics import read_metrics
+    from fastcov.trainer.runtime.run_dir import read_metrics
 
     monkeypatch.setattr(train_mod.RewardFn, "__call__", lambda self, text, truth: float(len(text) % 2))
 

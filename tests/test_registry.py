@@ -45,7 +45,7 @@ def test_losses_advantages_and_reward_tasks_share_it():
 def test_a_user_registered_mode_trains_from_yaml(tmp_path, monkeypatch):
     from fastcov.trainer import train as train_mod
     from fastcov.trainer.config import load_config
-    from fastcov.trainer.metrics import read_metrics
+    from fastcov.trainer.runtime.run_dir import read_metrics
 
     (tmp_path / "my_losses.py").write_text(textwrap.dedent('''
         from fastcov.losses import register, vanilla_loss

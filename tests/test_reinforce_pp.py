@@ -41,7 +41,7 @@ def test_tiny_run_token_level_kl_and_batch_normalisation(tmp_path, monkeypatch):
     pytest.importorskip("transformers")
     from fastcov.trainer import train as train_mod
     from fastcov.trainer.config import load_config
-    from fastcov.trainer.metrics import read_metrics
+    from fastcov.trainer.runtime.run_dir import read_metrics
 
     monkeypatch.setattr(train_mod.RewardFn, "__call__", lambda self, text, truth: float(len(text) % 2))
     seen = []
@@ -86,7 +86,7 @@ def test_zero3_reference_is_the_gathered_starting_policy(tmp_path, monkeypatch):
     pytest.importorskip("transformers")
     from fastcov.trainer import train as train_mod
     from fastcov.trainer.config import load_config
-    from fastcov.trainer.metrics import read_metrics
+    from fastcov.trainer.runtime.run_dir import read_metrics
 
     monkeypatch.setattr(train_mod.RewardFn, "__call__", lambda self, text, truth: float(len(text) % 2))
     cfg = load_config("configs/tiny.yaml", [

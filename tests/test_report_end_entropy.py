@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from fastcov.trainer.demo import verdict
-from fastcov.trainer.report import summarize
+from fastcov.trainer.experiments.demo import verdict
+from fastcov.trainer.experiments.report import summarize
 
 
 def _write(run, entropies):

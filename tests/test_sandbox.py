@@ -17,7 +17,7 @@ import pytest
 if not sys.platform.startswith("linux"):
     pytest.skip("the sandbox is Linux-only", allow_module_level=True)
 
-from fastcov.trainer.sandbox import Sandbox, SandboxFusionClient, SandboxLimits, capabilities  # noqa: E402
+from fastcov.trainer.rewards.sandbox import Sandbox, SandboxFusionClient, SandboxLimits, capabilities  # noqa: E402
 
 LIMITS = SandboxLimits(cpu_s=1, wall_s=3, memory_mb=256, file_size_mb=1, nproc=8, max_output_bytes=64 * 1024)
 
@@ -194,7 +194,7 @@ def test_unprivileged_path_user_namespace():
     import stat
     import subprocess
 
-    from fastcov.trainer.sandbox import LAUNCHER, _others_can_exec
+    from fastcov.trainer.rewards.sandbox import LAUNCHER, _others_can_exec
 
     readable = bool(LAUNCHER.stat().st_mode & stat.S_IROTH) and _others_can_exec(str(LAUNCHER.parent))
     if os.geteuid() != 0 or not _others_can_exec("/usr/bin/python3") or not readable:

@@ -13,7 +13,7 @@ STUDY = ROOT / "configs" / "studies" / "jin-reweight.yaml"
 
 def test_study_file_carries_the_paper_values():
     from fastcov.trainer.config import load_config, positive_weight_schedule
-    from fastcov.trainer.study import load_study
+    from fastcov.trainer.experiments.study import load_study
 
     study = load_study(STUDY)
     assert list(study["arms"]) == ["grpo", "grpo_reweight", "kl_cov"]
@@ -28,7 +28,7 @@ def test_study_file_carries_the_paper_values():
 
 def test_study_contrasts_name_two_of_its_arms(tmp_path):
     from fastcov.cli import UserError
-    from fastcov.trainer.study import load_study
+    from fastcov.trainer.experiments.study import load_study
 
     study = load_study(ROOT / "configs" / "studies" / "entropy-control.yaml")
     assert "kl_cov - kl_cov_random" in study["contrasts"]
@@ -44,8 +44,8 @@ def test_study_task_sets_the_demo_problems_and_warm_start(tmp_path, monkeypatch)
     from types import SimpleNamespace
 
     from fastcov.cli import UserError
-    from fastcov.trainer import demo
-    from fastcov.trainer.study import _demo_setup, load_study
+    from fastcov.trainer.experiments import demo
+    from fastcov.trainer.experiments.study import _demo_setup, load_study
 
     study = load_study(ROOT / "configs" / "studies" / "hard-task.yaml")
     assert study["task"] == {"max_ops": 3, "max_value": 9, "style_weights": [0.05, 0.05, 0.45, 0.45]}
@@ -75,7 +75,7 @@ def test_study_task_sets_the_demo_problems_and_warm_start(tmp_path, monkeypatch)
 def test_study_runs_three_arms_and_reports(tmp_path):
     pytest.importorskip("deepspeed")
     pytest.importorskip("transformers")
-    from fastcov.trainer.study import main
+    from fastcov.trainer.experiments.study import main
 
     rc = main([str(STUDY), "--out", str(tmp_path), "--sft-steps", "2", "--n-train", "64", "--n-val", "4",
                "trainer.max_steps=1", "trainer.prompts_per_step=4", "rollout.n=4", "algo.mini_batches=2",
@@ -98,7 +98,7 @@ def test_multi_seed_study_reports_intervals_and_the_law(tmp_path):
     report carries mean ± CI, the gap to GRPO, the selection table and the law holdout."""
     pytest.importorskip("deepspeed")
     pytest.importorskip("transformers")
-    from fastcov.trainer.study import load_study, main
+    from fastcov.trainer.experiments.study import load_study, main
 
     study_file = ROOT / "configs" / "studies" / "entropy-control.yaml"
     study = load_study(study_file)
@@ -138,7 +138,7 @@ def test_multi_seed_study_reports_intervals_and_the_law(tmp_path):
 def test_last_step_reads_the_newest_complete_row_of_this_run(tmp_path):
     import time
 
-    from fastcov.trainer.study import _last_step
+    from fastcov.trainer.experiments.runs import _last_step
 
     m = tmp_path / "metrics.jsonl"
     assert _last_step(m, 0.0) == 0  # not written yet

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from fastcov.trainer.study_report import diff_ci, mean_ci, study_tables, t_cdf, t_quantile
+from fastcov.trainer.experiments.study_report import diff_ci, mean_ci, study_tables, t_cdf, t_quantile
 
 # two-sided 95% critical values of Student's t (standard tables)
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 5: 2.571, 10: 2.228, 30: 2.042, 1000: 1.962}

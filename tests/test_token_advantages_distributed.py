@@ -16,7 +16,7 @@ KW = {"budget": 512, "packing": False, "row_capacity": None}
 
 
 def _seqs():
-    from fastcov.trainer.batch import Sequence
+    from fastcov.trainer.runtime.batch import Sequence
 
     g = torch.Generator().manual_seed(5)
     seqs = []
@@ -31,8 +31,8 @@ def _seqs():
 
 def _compute(seqs):
     from fastcov.trainer.config import load_config
-    from fastcov.trainer.model import build_model, load_tokenizer
-    from fastcov.trainer.token_rewards import TokenAdvantages
+    from fastcov.trainer.runtime.model import build_model, load_tokenizer
+    from fastcov.trainer.token_level.advantages import TokenAdvantages
 
     out = {}
     for name, over in (("prime", ["algo.adv_estimator=prime", "algo.prime.lr=1e-2"]),

@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 
 from fastcov.trainer import train as train_mod  # noqa: E402
 from fastcov.trainer.config import load_config  # noqa: E402
-from fastcov.trainer.metrics import read_metrics  # noqa: E402
+from fastcov.trainer.runtime.run_dir import read_metrics  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "tiny.yaml"

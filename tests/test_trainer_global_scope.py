@@ -67,7 +67,7 @@ def _loss_config(cfg):
 
 
 def _fresh_lm(cfg, tokenizer):
-    from fastcov.trainer.model import build_model
+    from fastcov.trainer.runtime.model import build_model
     from fastcov.trainer.train import seed_everything
 
     seed_everything(SEED)
@@ -77,8 +77,8 @@ def _fresh_lm(cfg, tokenizer):
 def _rollouts(path: Path):
     """Fixed rollouts in global order (group-major); old log-probs of the initial policy, one sequence per
     forward, computed once here and shared by every run."""
-    from fastcov.trainer.batch import Sequence, micro_batches
-    from fastcov.trainer.model import PolicyModel, load_tokenizer
+    from fastcov.trainer.runtime.batch import Sequence, micro_batches
+    from fastcov.trainer.runtime.model import PolicyModel, load_tokenizer
 
     cfg = _config("kl_cov", "global", 10_000, False)
     tok = load_tokenizer(cfg.model)
@@ -103,8 +103,9 @@ def _rollouts(path: Path):
 def _run_all(rank: int, world: int, out_dir: Path, runs) -> None:
     """Every run of ``runs`` on this rank: fresh engine, one update_policy; saves selections and the update."""
     from fastcov.trainer import train as train_mod
-    from fastcov.trainer.engine import PolicyEngine, init_distributed
-    from fastcov.trainer.model import PolicyModel, load_tokenizer
+    from fastcov.trainer.runtime.distributed import init_distributed
+    from fastcov.trainer.runtime.model import PolicyModel, load_tokenizer
+    from fastcov.trainer.runtime.policy import DeepSpeedPolicy
 
     device = torch.device("cpu")
     init_distributed(device)
@@ -130,7 +131,7 @@ def _run_all(rank: int, world: int, out_dir: Path, runs) -> None:
         for name, mode, scope, budget, packing, _, kept in runs:
             cfg = _config(mode, scope, budget, packing)
             tok = load_tokenizer(cfg.model)
-            engine = PolicyEngine(PolicyModel(_fresh_lm(cfg, tok)), cfg, device, world)
+            engine = DeepSpeedPolicy(PolicyModel(_fresh_lm(cfg, tok)), cfg, device, world)
             before = {n: p.detach().clone() for n, p in engine.policy.lm.named_parameters()}
             selections.clear()
             n_micro.clear()

@@ -19,12 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from fastcov.cli import UserError
+from fastcov.errors import ConfigError, UserError  # noqa: F401 - ConfigError re-exported
 from fastcov.losses import LossConfig
-
-
-class ConfigError(UserError, ValueError):
-    """A bad config key or value; the message names the dotted key (the CLI prints it, exit status 2)."""
 
 
 @dataclass
@@ -100,7 +96,7 @@ class RolloutConfig:
 
 @dataclass
 class CodeRewardConfig:
-    """Limits of the code sandbox (trainer/sandbox.py) for ``reward.task: code``."""
+    """Limits of the code sandbox (trainer/rewards/sandbox.py) for ``reward.task: code``."""
 
     cpu_s: float = 2.0  # CPU seconds per test run
     wall_s: float = 6.0  # wall clock per test run, then SIGKILL
@@ -114,7 +110,8 @@ class CodeRewardConfig:
 @dataclass
 class RewardConfig:
     # math: the last \boxed{} answer checked with math-verify; code: the response's last code block runs
-    # against the prompt's tests (ground_truth = JSON {"inputs", "outputs"}) in a sandbox (trainer/code_tasks.py).
+    # against the prompt's tests (ground_truth = JSON {"inputs", "outputs"}) in a sandbox
+    # (trainer/rewards/code_task.py).
     task: str = "math"  # a name in fastcov.trainer.rewards.REWARD_TASKS
     code: CodeRewardConfig = field(default_factory=CodeRewardConfig)
     kind: Literal["binary", "pm1"] = "binary"  # 1/0 or +1/-1
@@ -130,7 +127,7 @@ class RewardConfig:
 class PrimeConfig:
     """PRIME (Cui et al. 2025, "Process Reinforcement through Implicit Rewards"): an implicit PRM trained
     online with the cross-entropy loss on outcome labels; token rewards beta * log(pi_rm / pi_ref).
-    Used when ``algo.adv_estimator: prime`` (trainer/prime.py; docs/papers.md)."""
+    Used when ``algo.adv_estimator: prime`` (trainer/token_level/prime.py; docs/papers.md)."""
 
     beta: float = 0.05  # implicit reward scale
     lr: float = 1.0e-6  # reward-model learning rate (AdamW)
@@ -148,8 +145,8 @@ class PrimeConfig:
 @dataclass
 class AlgoConfig:
     # prime: outcome + implicit process rewards, token-level (algo.prime); reinforce_pp with algo.kl_coef > 0:
-    # REINFORCE++ with its token-level KL penalty (trainer/token_rewards.py).
-    # a name in fastcov.advantages.ESTIMATORS, or prime (token-level, trainer/prime.py)
+    # REINFORCE++ with its token-level KL penalty (trainer/token_level/advantages.py).
+    # a name in fastcov.advantages.ESTIMATORS, or prime (token-level, trainer/token_level/prime.py)
     adv_estimator: str = "grpo"
     # REINFORCE++'s KL penalty in the reward: r_t = -kl_coef * (log pi_old - log pi_ref)(t), the outcome reward
     # added at the last token, returns summed to the end and normalised over the batch's tokens. 0 = off.

@@ -1,4 +1,6 @@
-"""Evaluation beyond avg@k, from the same samples: pass@k / mean@k, diversity, calibration.
+"""Evaluation: avg@k on the validation prompts during training (``evaluate``) and of a saved model
+(``evaluate_model``, behind `fastcov eval`), and from the same samples pass@k / mean@k, diversity and
+calibration.
 
 ``EvalStats`` collects, per validation prompt, its samples' correctness, token ids, token log-probs and
 final answers, as fixed-length sums that data-parallel ranks add up (``vector`` → all-reduce →
@@ -17,9 +19,16 @@ from __future__ import annotations
 
 from typing import Callable
 
+import torch
+
 from fastcov.metrics import default_ks, distinct_answers, distinct_n, pass_at_k, sequence_confidence
+from fastcov.trainer.config import Config
+from fastcov.trainer.rewards import REWARD_TASKS
+from fastcov.trainer.rollout import SamplingParams
+from fastcov.trainer.runtime.distributed import all_sum
 
 BINS = 10
+SAMPLED_EVAL_SOURCES = ("aime", "aime25", "amc")  # evaluated at eval_temperature; others greedily
 
 
 class EvalStats:
@@ -86,12 +95,95 @@ class EvalStats:
         return out
 
 
-def answer_fn_for(task: str) -> Callable[[str], str | None]:
-    """The final answer of a response: the last \\boxed{} (math) or the last code block (code)."""
-    if task == "code":
-        from fastcov.trainer.code_tasks import extract_code
+def eval_sampling(data_source: str, tcfg, max_new_tokens: int) -> tuple[SamplingParams, bool]:
+    """(sampling params, sampled?) for one validation prompt: aime/aime25/amc sample, others greedy."""
+    src = data_source.lower()
+    sampled = any(src == s or src.startswith(s + "_") or src.endswith("/" + s) for s in SAMPLED_EVAL_SOURCES)
+    sampled = sampled or getattr(tcfg, "eval_sample_all", False)  # pass@k, diversity on any data source
+    temp = tcfg.eval_temperature if sampled else 0.0
+    return SamplingParams(temperature=temp, top_p=1.0, max_new_tokens=max_new_tokens), sampled
 
-        return extract_code
-    from fastcov.trainer.rewards import extract_boxed
 
-    return extract_boxed
+def evaluate(rollout, val_set, reward_fn, tokenizer, cfg: Config, rank: int, world: int,
+             device: torch.device, step: int) -> dict[str, float]:
+    """avg@k accuracy over the validation prompts (split across ranks); also per data source; and from the
+    same samples pass@k, mean@k, diversity and calibration (``EvalStats``).
+    ``reward_fn``: a ``RewardTask``; its ``final_answer`` (when it has one) feeds the distinct-answers metric."""
+    t = cfg.trainer
+    k = t.eval_k
+    max_new = t.eval_max_new_tokens or cfg.rollout.max_new_tokens
+    gen = torch.Generator(device=rollout.device).manual_seed(cfg.trainer.seed * 7919 + step)
+    mine = val_set[rank::world]
+    sources = sorted({e.data_source for e in val_set})
+    per_source = {s: [0.0, 0.0] for s in sources}
+    by_mode: dict[tuple[float, bool], list] = {}
+    extra = EvalStats(k, getattr(reward_fn, "final_answer", None))
+    mode_of = {}
+    for s in sources:  # every rank walks the same modes: an engine shared by ranks generates collectively
+        sp, sampled = eval_sampling(s, t, max_new)
+        mode_of[s] = (sp.temperature, sampled)
+        by_mode.setdefault(mode_of[s], [])
+    for ex in mine:
+        by_mode[mode_of[ex.data_source]].append(ex)
+    for (temp, sampled), exs in sorted(by_mode.items()):
+        reps = k if sampled else 1  # greedy decoding gives k identical samples
+        prompts = [e.prompt_ids for e in exs for _ in range(reps)]
+        out = rollout.generate(prompts, SamplingParams(temp, 1.0, max_new), gen)
+        texts = tokenizer.batch_decode(out.token_ids, skip_special_tokens=True)
+        oks = reward_fn.check_batch(texts, [e.ground_truth for e in exs for _ in range(reps)])
+        for i, e in enumerate(exs):
+            acc = sum(oks[i * reps : (i + 1) * reps]) / reps
+            per_source[e.data_source][0] += acc
+            per_source[e.data_source][1] += 1
+            sl = slice(i * reps, (i + 1) * reps)
+            extra.add_prompt(oks[sl], out.token_ids[sl], out.logprobs[sl], texts[sl])
+    flat = all_sum([v for s in sources for v in per_source[s]], device)
+    res = {}
+    tot_acc = tot_n = 0.0
+    for i, s in enumerate(sources):
+        acc, n = flat[2 * i], flat[2 * i + 1]
+        tot_acc += acc
+        tot_n += n
+        if len(sources) > 1 and n:
+            res[f"val_acc/{s}"] = acc / n
+    res["val_acc"] = tot_acc / max(tot_n, 1.0)
+    res.update(extra.finalize(all_sum(extra.vector(), device)))
+    return res
+
+
+def evaluate_model(model: str, data: list[str], *, k: int = 1, temperature: float = 0.6, max_new_tokens: int = 256,
+                   max_prompt_len: int = 2048, max_prompts: int = 0, batch_size: int = 64, device: str = "auto",
+                   seed: int = 0, sample_all: bool = False, task: str = "math") -> dict:
+    """The trainer's evaluation (``evaluate``) of a saved model on parquet files: a dict
+    with ``prompts``, ``k``, ``val_acc``, ``val_pass@k`` / ``val_mean@k``, diversity and calibration. Raises
+    ValueError (or FileNotFoundError) when the model, tokenizer or data cannot be loaded. ``task``: a name in
+    ``REWARD_TASKS`` (its default ``reward`` settings score the answers)."""
+    from fastcov.trainer.config import Config, ModelConfig
+    from fastcov.trainer.data.loading import load_examples
+    from fastcov.trainer.rollout import HFRolloutEngine
+    from fastcov.trainer.runtime.distributed import pick_device
+    from fastcov.trainer.runtime.model import build_model, load_tokenizer
+    from fastcov.trainer.runtime.precision import param_dtype
+
+    mcfg = ModelConfig(path=model)
+    dev = pick_device(device)
+    tok = load_tokenizer(mcfg)
+    net = build_model(mcfg, dev, param_dtype(mcfg, dev))
+    examples, _ = load_examples(data, tok, max_prompt_len)
+    if max_prompts:
+        examples = examples[:max_prompts]
+    net.config.use_cache = True
+    engine = HFRolloutEngine(net, [tok.eos_token_id], tok.pad_token_id, batch_size)
+    cfg = Config(model=mcfg)
+    cfg.trainer.eval_k = k
+    cfg.trainer.eval_temperature = temperature
+    cfg.trainer.eval_max_new_tokens = max_new_tokens
+    cfg.trainer.seed = seed
+    cfg.trainer.eval_sample_all = sample_all
+    cfg.reward.task = task
+    reward_fn = REWARD_TASKS.get(task)(cfg.reward)
+    try:
+        res = evaluate(engine, examples, reward_fn, tok, cfg, 0, 1, dev, 0)
+    finally:
+        reward_fn.close()
+    return {"prompts": len(examples), "k": k, **res}

@@ -11,7 +11,7 @@ data, policy, rollout engine, resume), ``collect_rollouts`` (steps 1-3, with DAP
 steps; tests call ``compute_old_logprobs`` and ``update_policy`` with fixed rollouts. In
 ``algo.scope: global`` (the default) Clip-Cov/KL-Cov select tokens once per mini-batch over all ranks
 (``mini_batch_selection``), so the update does not depend on the micro-batch split or the number of ranks.
-Micro-batches are padded or, with ``trainer.packing``, packed (trainer/batch.py).
+Micro-batches are padded or, with ``trainer.packing``, packed (trainer/runtime/batch.py).
 
 ``train(cfg)`` runs in every data-parallel process (one on CPU without a launcher). Every tensor that
 reaches the loss comes from ``fastcov.linear_logprob_entropy`` on the last hidden states: full logits
@@ -34,107 +34,63 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from fastcov.advantages import dapo_filter, get_advantage
-from fastcov.cli import one_line
+from fastcov.errors import one_line
 from fastcov.losses import LossConfig, Selection, compute_global_selection, get_policy_loss, policy_loss
-from fastcov.trainer.batch import MicroBatch, Sequence, micro_batches, sequence_tensors
-from fastcov.trainer.checkpoint import (
-    CheckpointError,
-    check_checkpoint,
-    fsync_path,
-    fsync_tree,
-    latest_checkpoint,
-    load_checkpoint,
-    move_aside,
-    publish_checkpoint,
-    trim_metrics,
-    write_checkpoint,
-)
 from fastcov.trainer.config import Config, ConfigError, positive_weight_schedule, save_config
-from fastcov.trainer.data import PromptSampler, load_train_val, prepare_data
-from fastcov.trainer.engine import PolicyEngine, ds_config, init_distributed, lr_at, pick_device
-from fastcov.trainer.metrics import MetricsLogger
-from fastcov.trainer.model import PolicyModel, build_model, load_tokenizer, param_dtype, use_liger
+from fastcov.trainer.data.loading import PromptSampler, load_train_val, prepare_data
+from fastcov.trainer.evaluation import evaluate
 from fastcov.trainer.rewards import REWARD_TASKS, RewardFn  # noqa: F401 - RewardFn: the name tests patch
 from fastcov.trainer.rollout import SamplingParams, make_rollout_engine
-from fastcov.trainer.token_rewards import make_token_advantages, prime_keep
+from fastcov.trainer.runtime.batch import MicroBatch, Sequence, micro_batches, sequence_tensors
+from fastcov.trainer.runtime.checkpoint import (
+    CheckpointError,
+    fsync_path,
+    latest_checkpoint,
+    load_checkpoint,
+    publish_checkpoint,
+    write_checkpoint,
+)
+from fastcov.trainer.runtime.distributed import (
+    all_gather_floats,
+    all_max,
+    all_sum,
+    init_distributed,
+    pick_device,
+    world_size,
+)
+from fastcov.trainer.runtime.metrics import MetricsLogger
+from fastcov.trainer.runtime.model import (
+    PolicyModel,
+    build_model,
+    check_model_source,
+    export_final,
+    load_tokenizer,
+    use_liger,
+)
+from fastcov.trainer.runtime.policy import DeepSpeedPolicy, ds_config, lr_at
+from fastcov.trainer.runtime.precision import param_dtype
+from fastcov.trainer.runtime.run_dir import (
+    CONFIG,
+    check_run_dir,
+    checkpoints_dir,
+    metrics_path,
+    prepare_run_dir,
+    trim_metrics,
+)
+from fastcov.trainer.token_level.advantages import make_token_advantages, prime_keep
 
 # policy_loss metrics averaged over the update's tokens; its "entropy" is logged as "update_entropy"
 # ("entropy" is the rollout-token mean of the pre-update policy).
 LOSS_METRICS = ("ppo_kl", "clipfrac", "selected_frac", "selected_pos_adv", "selected_prob", "selected_cov",
                 "cov_mean", "cov_max", "entropy")
 LOSS_METRIC_NAMES = {"entropy": "update_entropy"}
-SAMPLED_EVAL_SOURCES = ("aime", "aime25", "amc")  # evaluated at eval_temperature; others greedily
 
 
 class RolloutError(RuntimeError):
     pass
-
-
-# A run directory holding nothing but these can be trained into afresh (data/: the synthetic task,
-# which a run only writes when missing and regenerates identically).
-REGENERABLE = {"data"}
-
-
-def check_run_dir(run_dir: Path, resume, overwrite: bool, rank: int) -> Path | None:
-    """What a run may do with ``run_dir``, decided before anything is written (every rank calls it).
-
-    Fresh run: the directory must be absent or hold no earlier run, unless ``overwrite`` (the old one
-    is then moved aside, never deleted: ``prepare_run_dir``). ``resume``: True for the newest checkpoint,
-    or a checkpoint directory; it must exist and read back. Returns the checkpoint to resume from.
-    Raises CheckpointError / ConfigError (user errors, one line each).
-    """
-    if resume and overwrite:
-        raise ConfigError("--resume and --overwrite exclude each other: resume continues the run in "
-                          "trainer.run_dir, overwrite moves it aside and starts afresh")
-    if run_dir.exists() and not run_dir.is_dir():
-        raise ConfigError(f"trainer.run_dir: {str(run_dir)!r} is a file; choose a directory")
-    if resume:
-        ckpt_root = run_dir / "checkpoints"
-        path = latest_checkpoint(ckpt_root) if resume is True else Path(resume)
-        if path is None:
-            raise CheckpointError(f"--resume: no checkpoint under {str(ckpt_root)!r}; start the run without "
-                                  "--resume (add --overwrite if the directory is not empty)")
-        check_checkpoint(path, rank)
-        return path
-    if run_dir.is_dir() and not overwrite:
-        held = sorted(p.name for p in run_dir.iterdir() if p.name not in REGENERABLE)
-        if held:
-            raise CheckpointError(f"trainer.run_dir: {str(run_dir)!r} already holds a run ({', '.join(held[:3])}"
-                                  f"{', ...' if len(held) > 3 else ''}); continue it with --resume, move it "
-                                  "aside with --overwrite, or choose another trainer.run_dir")
-    return None
-
-
-def prepare_run_dir(run_dir: Path, overwrite: bool) -> Path | None:
-    """Rank 0: move an existing run aside (``--overwrite``), create the directory. Returns where the
-    old run went, if anywhere."""
-    moved = None
-    if overwrite and run_dir.is_dir() and any(p.name not in REGENERABLE for p in run_dir.iterdir()):
-        moved = move_aside(run_dir)
-        print(f"[fastcov] --overwrite: the previous run in {run_dir} was moved to {moved}", flush=True)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return moved
-
-
-def check_model_source(mcfg, names: tuple[str, str] = ("model.path", "model.tokenizer")) -> None:
-    """A local model/tokenizer path that cannot be a Hugging Face directory stops here, before any
-    download or write. Hub ids (``org/name`` that is not a local path) are left to transformers.
-    ``names``: how the error calls the model and tokenizer settings (config keys, or CLI flags)."""
-    for key, value in zip(names, (mcfg.path, mcfg.tokenizer)):
-        if value is None or value.startswith("builtin:"):
-            continue
-        p = Path(value).expanduser()
-        local = p.exists() or value.startswith((".", "/", "~")) or value.count("/") != 1
-        if not local:
-            continue
-        if not p.exists():
-            raise ConfigError(f"{key}: {value!r} does not exist; give a Hugging Face model directory or hub id")
-        if not p.is_dir():
-            raise ConfigError(f"{key}: {value!r} is a file; give the model's directory (with config.json)")
-        if value == mcfg.path and not (p / "config.json").is_file():
-            raise ConfigError(f"{key}: {value!r} is not a Hugging Face model directory (no config.json)")
 
 
 def _user_error(exc: ValueError) -> Exception:
@@ -162,42 +118,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def _dist():
-    import torch.distributed as dist
-
-    return dist
-
-
-def world_size() -> int:
-    dist = _dist()
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def all_sum(values: list[float], device: torch.device) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    if world_size() > 1:
-        _dist().all_reduce(t)
-    return t.tolist()
-
-
-def all_gather_floats(values: list[float], device: torch.device) -> list[float]:
-    """Concatenation over ranks in rank order (every rank passes the same length)."""
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    world = world_size()
-    if world == 1:
-        return t.tolist()
-    out = [torch.empty_like(t) for _ in range(world)]
-    _dist().all_gather(out, t)
-    return torch.cat(out).tolist()
-
-
-def all_max(value: int, device: torch.device) -> int:
-    t = torch.tensor([value], dtype=torch.int64, device=device)
-    if world_size() > 1:
-        _dist().all_reduce(t, op=_dist().ReduceOp.MAX)
-    return int(t.item())
 
 
 # ---------------------------------------------------------------------------------------- steps 4 and 5
@@ -310,7 +230,7 @@ def update_policy(engine, seqs: list[Sequence], kept_groups: list[int], cfg: Con
     if missing:
         raise ValueError(f"update_policy: sequences {missing[:5]} have no old_logprob (run compute_old_logprobs)")
     a, world = cfg.algo, world_size()
-    group = _dist().group.WORLD if world > 1 else None
+    group = dist.group.WORLD if world > 1 else None
     global_scope = a.scope == "global"
     needs_selection = get_policy_loss(a.mode).selector is not None or loss_cfg.high_entropy_fraction is not None
     engine.train()
@@ -459,63 +379,6 @@ def collect_rollouts(cfg: Config, step: int, sampler, train_set, rollout, reward
     return Collected(seqs, chosen, all_prompts, all_ids, all_rewards, sum(len(x) for x in all_ids), n_batches, times)
 
 
-def eval_sampling(data_source: str, tcfg, max_new_tokens: int) -> tuple[SamplingParams, bool]:
-    """(sampling params, sampled?) for one validation prompt: aime/aime25/amc sample, others greedy."""
-    src = data_source.lower()
-    sampled = any(src == s or src.startswith(s + "_") or src.endswith("/" + s) for s in SAMPLED_EVAL_SOURCES)
-    sampled = sampled or getattr(tcfg, "eval_sample_all", False)  # pass@k, diversity on any data source
-    temp = tcfg.eval_temperature if sampled else 0.0
-    return SamplingParams(temperature=temp, top_p=1.0, max_new_tokens=max_new_tokens), sampled
-
-
-def evaluate(rollout, val_set, reward_fn, tokenizer, cfg: Config, rank: int, world: int,
-             device: torch.device, step: int) -> dict[str, float]:
-    """avg@k accuracy over the validation prompts (split across ranks); also per data source; and from the
-    same samples pass@k, mean@k, diversity and calibration (trainer/evaluation.py)."""
-    from fastcov.trainer.evaluation import EvalStats, answer_fn_for
-
-    t = cfg.trainer
-    k = t.eval_k
-    max_new = t.eval_max_new_tokens or cfg.rollout.max_new_tokens
-    gen = torch.Generator(device=rollout.device).manual_seed(cfg.trainer.seed * 7919 + step)
-    mine = val_set[rank::world]
-    sources = sorted({e.data_source for e in val_set})
-    per_source = {s: [0.0, 0.0] for s in sources}
-    by_mode: dict[tuple[float, bool], list] = {}
-    extra = EvalStats(k, answer_fn_for(getattr(cfg.reward, "task", "math")))
-    mode_of = {}
-    for s in sources:  # every rank walks the same modes: an engine shared by ranks generates collectively
-        sp, sampled = eval_sampling(s, t, max_new)
-        mode_of[s] = (sp.temperature, sampled)
-        by_mode.setdefault(mode_of[s], [])
-    for ex in mine:
-        by_mode[mode_of[ex.data_source]].append(ex)
-    for (temp, sampled), exs in sorted(by_mode.items()):
-        reps = k if sampled else 1  # greedy decoding gives k identical samples
-        prompts = [e.prompt_ids for e in exs for _ in range(reps)]
-        out = rollout.generate(prompts, SamplingParams(temp, 1.0, max_new), gen)
-        texts = tokenizer.batch_decode(out.token_ids, skip_special_tokens=True)
-        oks = reward_fn.check_batch(texts, [e.ground_truth for e in exs for _ in range(reps)])
-        for i, e in enumerate(exs):
-            acc = sum(oks[i * reps : (i + 1) * reps]) / reps
-            per_source[e.data_source][0] += acc
-            per_source[e.data_source][1] += 1
-            sl = slice(i * reps, (i + 1) * reps)
-            extra.add_prompt(oks[sl], out.token_ids[sl], out.logprobs[sl], texts[sl])
-    flat = all_sum([v for s in sources for v in per_source[s]], device)
-    res = {}
-    tot_acc = tot_n = 0.0
-    for i, s in enumerate(sources):
-        acc, n = flat[2 * i], flat[2 * i + 1]
-        tot_acc += acc
-        tot_n += n
-        if len(sources) > 1 and n:
-            res[f"val_acc/{s}"] = acc / n
-    res["val_acc"] = tot_acc / max(tot_n, 1.0)
-    res.update(extra.finalize(all_sum(extra.vector(), device)))
-    return res
-
-
 class _StopFlag:
     """SIGINT sets a flag the loop checks between steps; a second Ctrl-C interrupts at once."""
 
@@ -574,7 +437,7 @@ class Run:
     tokenizer: Any
     train_set: list
     val_set: list
-    engine: PolicyEngine
+    engine: DeepSpeedPolicy
     rollout: Any
     reward_fn: Any
     token_adv: Any  # REINFORCE++'s KL / PRIME's token-level advantages, or None
@@ -589,7 +452,7 @@ class Run:
 
     @property
     def ckpt_root(self) -> Path:
-        return self.run_dir / "checkpoints"
+        return checkpoints_dir(self.run_dir)
 
     def sync_weights(self) -> None:
         self.rollout.update_weights(self.engine.weight_buckets(self.cfg.rollout.sync_bucket_mb))
@@ -621,7 +484,6 @@ def _check_and_prepare(cfg: Config, resume, overwrite: bool):
     if device.type == "cpu" and t.threads:
         torch.set_num_threads(t.threads)  # results must not depend on the machine's core count
     rank, world = init_distributed(device)
-    dist = _dist()
     if t.prompts_per_step % world:
         raise ConfigError(f"trainer.prompts_per_step: {t.prompts_per_step} is not divisible by the "
                           f"{world} data-parallel ranks; pick a multiple of {world}")
@@ -660,7 +522,7 @@ def _build(cfg: Config, device: torch.device, rank: int, world: int, tokenizer, 
     # REINFORCE++'s KL reference, PRIME's reference and reward model: copies of the starting weights,
     # taken before DeepSpeed wraps (and under ZeRO-3 shards) the policy
     token_adv = make_token_advantages(cfg, lm)
-    engine = PolicyEngine(PolicyModel(lm), cfg, device, world)
+    engine = DeepSpeedPolicy(PolicyModel(lm), cfg, device, world)
     # the HF engine samples from the policy's own module (ZeRO 0-2) or one empty copy per node (ZeRO-3)
     rollout = make_rollout_engine(cfg, engine.policy.lm, tokenizer, device=device, rank=rank, world=world,
                                   zero_stage=cfg.trainer.zero_stage)
@@ -688,7 +550,7 @@ def _resume(run: Run, path: Path) -> None:
             raise CheckpointError(f"--resume: PRIME's reward model: {one_line(exc)}") from None
     if run.rank == 0:
         print(f"[fastcov] resumed from {path} at step {run.step}", flush=True)
-        trimmed = trim_metrics(run.run_dir / "metrics.jsonl", run.step)
+        trimmed = trim_metrics(metrics_path(run.run_dir), run.step)
         if trimmed["dropped"] or trimmed["torn"]:
             print(f"[fastcov] metrics.jsonl: dropped {trimmed['dropped']} row(s) after step {run.step}"
                   f"{' and a torn last line' if trimmed['torn'] else ''}", flush=True)
@@ -710,7 +572,7 @@ def start_run(cfg: Config, resume, overwrite: bool, closing: contextlib.ExitStac
     if resume_path is not None:
         _resume(run, resume_path)
     if rank == 0:
-        save_config(cfg, run.run_dir / "config.yaml")
+        save_config(cfg, run.run_dir / CONFIG)
         run.logger = MetricsLogger(run.run_dir, cfg.to_dict(), t.tensorboard, t.wandb, t.wandb_project,
                                    resume_step=run.step if resume_path is not None else None)
         closing.callback(run.logger.close)
@@ -857,25 +719,5 @@ def _train(cfg: Config, resume, stop_at, on_end, closing: contextlib.ExitStack, 
         with run.engine.gathered_model() as model:
             if run.rank == 0:
                 export_final(model, run.tokenizer, run.run_dir)
-        _dist().barrier()
+        dist.barrier()
     return run.run_dir
-
-
-def export_final(model, tokenizer, run_dir: Path) -> Path:
-    """``<run_dir>/final`` as a Hugging Face directory, replaced atomically (temp dir, fsync, rename)."""
-    import shutil
-
-    final, tmp, old = run_dir / "final", run_dir / ".final.tmp", run_dir / ".final.old"
-    for p in (tmp, old):
-        if p.exists():
-            shutil.rmtree(p)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    fsync_tree(tmp)
-    if final.exists():
-        final.rename(old)
-    tmp.rename(final)
-    fsync_path(run_dir)
-    if old.exists():
-        shutil.rmtree(old)
-    return final

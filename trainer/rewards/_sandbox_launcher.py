@@ -1,4 +1,4 @@
-"""The sandbox's launcher: run as ``python -I -S _sandbox_launcher.py SPEC_JSON`` by trainer/sandbox.py.
+"""The sandbox's launcher: run as ``python -I -S _sandbox_launcher.py SPEC_JSON`` by trainer/rewards/sandbox.py.
 
 Standard library only (it runs with -S, no site-packages, and must not import fastcov). It applies the
 isolation in a fresh single-threaded process, then execs the untrusted program:

@@ -108,7 +108,7 @@ def run_numbers(run_dir: Path, pass_k: int) -> dict[str, Any]:
     of the last evaluation, the distinct final answers per prompt among its k samples (the start model's and the
     end's: a policy that collapses onto one answer per problem loses coverage even where its token entropy
     stays), and the entropy curve."""
-    from fastcov.trainer.report import end_entropy, read_rows
+    from fastcov.trainer.experiments.report import end_entropy, read_rows
 
     rows = read_rows(Path(run_dir) / "metrics.jsonl")
     train = [r for r in rows if r.get("entropy") is not None]

@@ -8,6 +8,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from fastcov.trainer.runtime.run_dir import metrics_path
+
 
 def _clean(v: Any) -> Any:
     if hasattr(v, "item"):
@@ -22,13 +24,10 @@ class MetricsLogger:
 
     def __init__(self, run_dir: Path, config: dict, tensorboard: bool = False, wandb: bool = False,
                  wandb_project: str = "fastcov", resume_step: int | None = None):
-        self.path = Path(run_dir) / "metrics.jsonl"
-        if resume_step is not None and self.path.exists():
-            # Drop lines past the checkpoint so a resumed run does not log a step twice.
-            keep = [ln for ln in self.path.read_text().splitlines()
-                    if ln.strip() and json.loads(ln).get("step", 0) <= resume_step]
-            self.path.write_text("".join(ln + "\n" for ln in keep))
-        elif resume_step is None and self.path.exists():
+        self.path = metrics_path(run_dir)
+        # A resumed run's file was already cut back to its checkpoint, atomically (run_dir.trim_metrics):
+        # rewriting it here again would open a window in which a kill empties it.
+        if resume_step is None and self.path.exists():
             self.path.unlink()
         self._f = open(self.path, "a")
         self.tb = None
@@ -67,8 +66,3 @@ class MetricsLogger:
             self.tb.close()
         if self.wb is not None:
             self.wb.finish()
-
-
-def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]

@@ -35,7 +35,7 @@ class FrozenModel:
     """A no-grad copy of a causal LM that returns per-response-token log-probs of sequences."""
 
     def __init__(self, lm: torch.nn.Module, trainable: bool = False, dtype: torch.dtype | None = None):
-        from fastcov.trainer.model import PolicyModel
+        from fastcov.trainer.runtime.model import PolicyModel
 
         lm = copy.deepcopy(lm)
         if dtype is not None:
@@ -49,7 +49,7 @@ class FrozenModel:
     def logprobs(self, seqs, pad_id: int, device: torch.device, batch_kw: dict, temperature: float
                  ) -> list[list[float]]:
         """log π(y_t) of every response token of ``seqs`` (every rank must call: micro-batch counts agree)."""
-        from fastcov.trainer.batch import micro_batches
+        from fastcov.trainer.runtime.batch import micro_batches
 
         out: list[list[float]] = [[] for _ in seqs]
         was = self.model.training
@@ -79,7 +79,7 @@ class ImplicitPRM(FrozenModel):
                device: torch.device, batch_kw: dict, temperature: float) -> dict[str, float]:
         """One optimizer step of the cross-entropy loss on these rollouts (this rank's part of the batch;
         every rank must call). Returns {"prm_loss", "prm_acc"} over all ranks (before the step)."""
-        from fastcov.trainer.batch import micro_batches
+        from fastcov.trainer.runtime.batch import micro_batches
 
         self.model.train()
         self.optimizer.zero_grad(set_to_none=False)

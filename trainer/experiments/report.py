@@ -12,40 +12,17 @@ import math
 from pathlib import Path
 from typing import Any
 
-from fastcov.cli import UserError
+from fastcov.errors import UserError
+from fastcov.trainer.runtime.run_dir import read_numbered_metrics
 
 NUMERIC = ("entropy", "val_acc", "reward_mean", "selected_frac", "time/step", "skipped_steps")
 
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
-    """The rows of a metrics.jsonl, checked: each a JSON object with an integer ``step`` and numbers (or
-    null) under the keys the report reads. A torn last line (a killed run: no newline, not JSON) is
-    skipped; any other bad line raises UserError naming the file, line and key."""
-    import json
-
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise UserError(f"{str(path)!r} does not exist (is this a run directory?)") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UserError(f"cannot read {str(path)!r} ({getattr(exc, 'strerror', None) or exc})") from None
-    lines = text.split("\n")
+    """The rows of a metrics.jsonl (``run_dir.read_metrics``), checked: numbers (or null) under the keys
+    the report reads; a bad value raises UserError naming the file, line and key."""
     rows = []
-    for lineno, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError:
-            if lineno == len(lines):  # no newline after it: the torn last line of a killed run
-                continue
-            raise UserError(f"{path}:{lineno}: not valid JSON; fix or remove the line") from None
-        if not isinstance(row, dict):
-            raise UserError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-        step = row.get("step")
-        if isinstance(step, bool) or not isinstance(step, int):
-            raise UserError(f"{path}:{lineno}: 'step' must be an integer, got {step!r}")
+    for lineno, row in read_numbered_metrics(path):
         for key in NUMERIC:
             v = row.get(key)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):

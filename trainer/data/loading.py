@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fastcov.cli import UserError
+from fastcov.errors import UserError
 
 
 class DataError(UserError, ValueError):
@@ -231,7 +231,7 @@ def prepare_data(cfg, tokenizer, run_dir: Path, rank: int = 0):
         data_dir = run_dir / "data"
         tr, va = data_dir / "train.parquet", data_dir / "val.parquet"
         if rank == 0 and not tr.exists():
-            from fastcov.trainer.synthetic import write_task
+            from fastcov.trainer.data.synthetic import write_task
 
             data_dir.mkdir(parents=True, exist_ok=True)
             write_task(str(tr), str(va), s.n_train, s.n_val, s.seed, s.min_ops, s.max_ops, s.max_value)

@@ -25,56 +25,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sample-all", action="store_true",
                         help="sample --k responses at --temperature for every data source (pass@k, mean@k and "
                              "diversity need several samples per prompt; greedy sources otherwise get one)")
-    parser.add_argument("--task", choices=["math", "code"], default="math",
-                        help="math: last \\boxed{} answer; code: the last code block runs against the row's tests "
-                             "in the sandbox")
+    parser.add_argument("--task", default="math",
+                        help="a reward task (fastcov.trainer.rewards.REWARD_TASKS): math, the last \\boxed{} answer; "
+                             "code, the last code block runs against the row's tests in the sandbox")
     parser.add_argument("--reliability-plot", default=None, metavar="PNG",
                         help="write the reliability diagram (accuracy vs confidence) to this file")
-
-
-def evaluate_model(model: str, data: list[str], *, k: int = 1, temperature: float = 0.6, max_new_tokens: int = 256,
-                   max_prompt_len: int = 2048, max_prompts: int = 0, batch_size: int = 64, device: str = "auto",
-                   seed: int = 0, sample_all: bool = False, task: str = "math") -> dict:
-    """The trainer's evaluation (``fastcov.trainer.train.evaluate``) of a saved model on parquet files: a dict
-    with ``prompts``, ``k``, ``val_acc``, ``val_pass@k`` / ``val_mean@k``, diversity and calibration. Raises
-    ValueError (or FileNotFoundError) when the model, tokenizer or data cannot be loaded."""
-    import torch
-
-    from fastcov.trainer.config import Config, ModelConfig
-    from fastcov.trainer.data import load_examples
-    from fastcov.trainer.engine import pick_device
-    from fastcov.trainer.model import build_model, load_tokenizer
-    from fastcov.trainer.rewards import RewardFn
-    from fastcov.trainer.rollout import HFRolloutEngine
-    from fastcov.trainer.train import evaluate
-
-    mcfg = ModelConfig(path=model)
-    dev = pick_device(device)
-    tok = load_tokenizer(mcfg)
-    net = build_model(mcfg, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32)
-    examples, _ = load_examples(data, tok, max_prompt_len)
-    if max_prompts:
-        examples = examples[:max_prompts]
-    net.config.use_cache = True
-    engine = HFRolloutEngine(net, [tok.eos_token_id], tok.pad_token_id, batch_size)
-    cfg = Config(model=mcfg)
-    cfg.trainer.eval_k = k
-    cfg.trainer.eval_temperature = temperature
-    cfg.trainer.eval_max_new_tokens = max_new_tokens
-    cfg.trainer.seed = seed
-    cfg.trainer.eval_sample_all = sample_all
-    cfg.reward.task = task
-    if task == "code":
-        from fastcov.trainer.code_tasks import CodeRewardFn
-
-        reward_fn = CodeRewardFn("binary")
-    else:
-        reward_fn = RewardFn("binary", 5.0, "process")
-    try:
-        res = evaluate(engine, examples, reward_fn, tok, cfg, 0, 1, dev, 0)
-    finally:
-        reward_fn.close()
-    return {"prompts": len(examples), "k": k, **res}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -83,9 +38,11 @@ def run(args: argparse.Namespace) -> int:
     import sys
     from pathlib import Path
 
-    from fastcov.cli import UsageError, one_line
+    from fastcov.errors import UsageError, one_line
     from fastcov.trainer.config import ModelConfig
-    from fastcov.trainer.train import check_model_source
+    from fastcov.trainer.evaluation import evaluate_model
+    from fastcov.trainer.rewards import REWARD_TASKS
+    from fastcov.trainer.runtime.model import check_model_source
 
     if args.k < 1:
         print("fastcov eval: --k must be >= 1", file=sys.stderr)
@@ -98,6 +55,8 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"{flag}: must be >= 1, got {value}")
     if args.max_prompts < 0:
         raise UsageError(f"--max-prompts: must be >= 0 (0 = all), got {args.max_prompts}")
+    if args.task not in REWARD_TASKS:
+        raise UsageError(f"--task: unknown reward task {args.task!r}; registered: {', '.join(REWARD_TASKS.names())}")
     check_model_source(ModelConfig(path=args.model), names=("--model", "--model"))
     for f in args.data:
         if not Path(f).is_file():

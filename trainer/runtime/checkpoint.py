@@ -29,14 +29,13 @@ import os
 import random
 import re
 import shutil
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from fastcov.cli import UserError
+from fastcov.errors import UserError
 
 _STEP_RE = re.compile(r"^step_(\d{6,})$")
 
@@ -318,67 +317,3 @@ def load_checkpoint(path: Path, policy_engine, generators: dict[str, torch.Gener
         raise CheckpointError(f"--resume: {str(path / f'rng_rank{rank}.pt')!r} holds no usable RNG state "
                               f"({type(exc).__name__})") from None
     return state
-
-
-# --------------------------------------------------------------------------------------------- metrics
-
-def trim_metrics(path: Path, last_step: int) -> dict[str, int]:
-    """Make ``metrics.jsonl`` end at ``last_step`` for a resume, whatever a crash left in it.
-
-    Drops a torn last line (no newline, or not JSON: the process died mid-write) and every row after
-    ``last_step``; a row for a step already seen is dropped too, so each step has exactly one row.
-    A damaged line that is not the last one is not a crash's doing: ``CheckpointError`` names its line.
-    The file is replaced atomically. Returns counts {"kept", "dropped", "torn"}.
-    """
-    path = Path(path)
-    if not path.exists():
-        return {"kept": 0, "dropped": 0, "torn": 0}
-    raw = path.read_bytes()
-    lines = raw.split(b"\n")
-    torn = 0
-    if lines and lines[-1] == b"":
-        lines.pop()  # the file ends with a newline
-    elif lines:
-        lines.pop()  # no newline after the last line: it was cut short
-        torn = 1
-    keep: list[bytes] = []
-    seen: set[int] = set()
-    dropped = 0
-    for i, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            step = row["step"]
-            if not isinstance(step, int) or isinstance(step, bool):
-                raise TypeError
-        except (ValueError, KeyError, TypeError):
-            if i == len(lines):  # the last line, newline included but bytes lost: torn too
-                torn += 1
-                continue
-            raise CheckpointError(f"{str(path)}:{i}: not a metrics row (damaged file); fix or remove the "
-                                  "line, then resume") from None
-        if step > last_step or step in seen:
-            dropped += 1
-            continue
-        seen.add(step)
-        keep.append(line)
-    new = b"".join(ln + b"\n" for ln in keep)
-    if new != raw:
-        write_atomic(path, new)
-    return {"kept": len(keep), "dropped": dropped, "torn": torn}
-
-
-def move_aside(run_dir: Path) -> Path:
-    """Rename a run directory to ``<name>.old-YYYYmmdd-HHMMSS[-N]`` next to it; returns the new path."""
-    run_dir = Path(run_dir)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    target = run_dir.with_name(f"{run_dir.name}.old-{stamp}")
-    n = 1
-    while target.exists():
-        n += 1
-        target = run_dir.with_name(f"{run_dir.name}.old-{stamp}-{n}")
-    run_dir.rename(target)
-    fsync_path(run_dir.parent)
-    return target
-

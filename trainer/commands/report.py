@@ -21,7 +21,7 @@ def run(args: argparse.Namespace) -> int:
     import sys
     from pathlib import Path
 
-    from fastcov.trainer.report import write_report
+    from fastcov.trainer.experiments.report import write_report
 
     runs = [Path(r) for r in args.runs]
     for r in runs:

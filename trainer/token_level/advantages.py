@@ -7,7 +7,7 @@ reinforce_pp without ``algo.kl_coef``), else an object whose ``apply`` runs betw
 * ``reinforce_pp`` with ``algo.kl_coef`` β > 0: the reference log-probs (a frozen copy of the starting
   model), r_t = −β·(log π_old − log π_ref) plus the outcome at the last token, returns to the end,
   normalised over all response tokens of the batch on all ranks (``fastcov.token_advantages``);
-* ``prime``: the implicit PRM (trainer/prime.py) updated on the batch, its token rewards
+* ``prime``: the implicit PRM (trainer/token_level/prime.py) updated on the batch, its token rewards
   β·log(π_rm/π_ref), leave-one-out baselines, returns, whitening over the batch.
 
 The reference is the model as built at the start of the run (before a resume loads the policy), i.e.
@@ -48,7 +48,7 @@ def prime_keep(rewards: torch.Tensor, n: int, kind: str, low: float, high: float
 
 class TokenAdvantages:
     def __init__(self, cfg, lm: torch.nn.Module):
-        from fastcov.trainer.prime import FrozenModel, ImplicitPRM
+        from fastcov.trainer.token_level.prime import FrozenModel, ImplicitPRM
 
         self.cfg = cfg
         a = cfg.algo

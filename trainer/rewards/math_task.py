@@ -33,8 +33,6 @@ from multiprocessing.connection import wait
 
 import numpy as np
 
-from fastcov.registry import Registry
-
 MAX_ANSWER_CHARS = 10_000  # longer boxed answers score wrong unparsed (no sympy on megabytes)
 _MAX_NUMBER_CHARS = 400  # exact-number parsing: longer literals (or exponents) go to math-verify
 _BOX_RE = re.compile(rb"\\(?:boxed|fbox)")
@@ -397,6 +395,10 @@ class RewardFn:
     def is_correct(self, response: str, truth: str) -> bool:
         return self.check_batch([response], [truth])[0]
 
+    def final_answer(self, response: str) -> str | None:
+        """The answer a response gives (its last \\boxed{}), for the diversity metrics."""
+        return extract_boxed(response)
+
     def _score(self, ok: bool) -> float:
         if self.kind == "binary":
             return 1.0 if ok else 0.0
@@ -423,25 +425,3 @@ class RewardFn:
             self.close()
         except Exception:
             pass
-
-
-# ------------------------------------------------------------------------------------------ reward tasks
-
-# ``reward.task`` -> a factory(RewardConfig) returning an object with ``batch(responses, truths)``,
-# ``timeouts`` and ``close()``. Register your own with ``REWARD_TASKS.add("name", factory)`` in a
-# module listed under ``trainer.imports``.
-REWARD_TASKS = Registry("reward task")
-
-
-@REWARD_TASKS.register("math")
-def math_reward(rcfg) -> RewardFn:
-    """The last \\boxed{} answer, exact as a rational or math-verify-equivalent to the ground truth."""
-    return RewardFn(rcfg.kind, rcfg.timeout_s, rcfg.sandbox, rcfg.workers)
-
-
-@REWARD_TASKS.register("code")
-def code_reward(rcfg):
-    """The answer's code run against the prompt's tests in a sandbox (trainer/code_tasks.py)."""
-    from fastcov.trainer.code_tasks import CodeRewardFn
-
-    return CodeRewardFn.from_config(rcfg)

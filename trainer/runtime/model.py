@@ -7,10 +7,14 @@ and hands them with the LM head weight to ``fastcov.linear_logprob_entropy``.
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+
+from fastcov.errors import ConfigError
+from fastcov.trainer.runtime.precision import param_dtype  # noqa: F401 - re-exported
 
 
 def _tokenizer_class(name: str) -> str | None:
@@ -30,7 +34,7 @@ def load_tokenizer(mcfg):
     """The tokenizer for a ModelConfig; pad token set (falls back to eos)."""
     name = mcfg.tokenizer or mcfg.path
     if name == "builtin:arith":
-        from fastcov.trainer.synthetic import build_tokenizer
+        from fastcov.trainer.data.synthetic import build_tokenizer
 
         tok = build_tokenizer()
     else:
@@ -58,14 +62,6 @@ def resolve_attn(choice: str, device: torch.device) -> str:
     if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
         return "flash_attention_2"
     return "sdpa"
-
-
-def param_dtype(mcfg, device: torch.device) -> torch.dtype:
-    """The dtype the policy's parameters are created in: bf16 on a GPU (DeepSpeed keeps the fp32
-    master weights inside the optimizer's partitions), fp32 on CPU or with ``model.dtype: fp32``."""
-    if mcfg.dtype == "fp32" or device.type != "cuda":
-        return torch.float32
-    return torch.bfloat16
 
 
 def use_liger(choice: bool | str, device: torch.device, installed: bool | None = None) -> bool:
@@ -246,3 +242,45 @@ def packed_attention(position_ids: torch.Tensor, attn_implementation: str, dtype
         zero = torch.zeros((), dtype=dtype, device=position_ids.device)
         return torch.where(allowed, zero, torch.finfo(dtype).min)
     raise ValueError(f"model.attn_implementation: packing does not support {attn_implementation!r}")
+
+
+def check_model_source(mcfg, names: tuple[str, str] = ("model.path", "model.tokenizer")) -> None:
+    """A local model/tokenizer path that cannot be a Hugging Face directory stops here, before any
+    download or write. Hub ids (``org/name`` that is not a local path) are left to transformers.
+    ``names``: how the error calls the model and tokenizer settings (config keys, or CLI flags)."""
+    for key, value in zip(names, (mcfg.path, mcfg.tokenizer)):
+        if value is None or value.startswith("builtin:"):
+            continue
+        p = Path(value).expanduser()
+        local = p.exists() or value.startswith((".", "/", "~")) or value.count("/") != 1
+        if not local:
+            continue
+        if not p.exists():
+            raise ConfigError(f"{key}: {value!r} does not exist; give a Hugging Face model directory or hub id")
+        if not p.is_dir():
+            raise ConfigError(f"{key}: {value!r} is a file; give the model's directory (with config.json)")
+        if value == mcfg.path and not (p / "config.json").is_file():
+            raise ConfigError(f"{key}: {value!r} is not a Hugging Face model directory (no config.json)")
+
+
+def export_final(model, tokenizer, run_dir: Path) -> Path:
+    """``<run_dir>/final`` as a Hugging Face directory, replaced atomically (temp dir, fsync, rename)."""
+    import shutil
+
+    from fastcov.trainer.runtime.checkpoint import fsync_path, fsync_tree
+
+    run_dir = Path(run_dir)
+    final, tmp, old = run_dir / "final", run_dir / ".final.tmp", run_dir / ".final.old"
+    for p in (tmp, old):
+        if p.exists():
+            shutil.rmtree(p)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    fsync_tree(tmp)
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    fsync_path(run_dir)
+    if old.exists():
+        shutil.rmtree(old)
+    return final

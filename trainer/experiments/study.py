@@ -1,0 +1,281 @@
+"""Run a study: several arms (config overrides) from one base config and one start, then one report.
+
+    python -m fastcov.trainer.study configs/studies/jin-reweight.yaml [--out DIR] [--arms a,b] [--seeds 0,1]
+        [--jobs 2] [KEY=VALUE ...]
+
+A study file (YAML)::
+
+    title: GRPO vs GRPO + positive-advantage re-weighting vs KL-Cov
+    base: configs/demo.yaml              # a shipped config, or a path of your own
+    out: runs/study-jin                  # report.md, plots and one run directory per arm
+    setup: demo                          # write the demo's task and warm-start its tiny model first
+    common: [trainer.eval_k=4]           # overrides for every arm
+    arms:
+      grpo: [algo.mode=vanilla]
+      grpo_reweight: [algo.mode=vanilla, algo.pos_weight_schedule=true]
+      kl_cov: [algo.mode=kl_cov]
+
+``seeds: [0, 1, 2]`` trains every arm once per seed (``trainer.seed``; run directories ``<out>/<arm>/seed<s>``)
+and reports mean ± 95% confidence intervals across seeds, the gap of each arm to ``grpo`` with its interval,
+the selection diagnostics, the entropy law's 15% holdout on ``grpo`` and ``entropy_bands.png``
+(``trainer/experiments/study_report.py``); ``pass_k`` (default 8) picks the pass@k column; ``contrasts: ["kl_cov -
+kl_cov_random"]`` adds those arm-to-arm gaps (an arm against its control). ``setup: demo`` runs steps
+1-2 of ``make demo`` into ``<out>/data`` and ``<out>/sft`` (``--reuse-sft`` keeps
+an existing warm-start model) and points every arm at them, and after training evaluates the start model and
+every run on ``<out>/data/harder.parquet`` (problems with one operation more than training; the report's
+own table); ``task: {max_ops: 3, style_weights: [...]}`` changes
+that task and warm-start as the demo's ``--max-ops``, ``--max-value`` and ``--style-weights`` do;
+``setup: none`` leaves model and data to the base config and overrides. Command-line KEY=VALUE overrides
+apply to every arm, after the study's own.
+Each arm trains with ``--overwrite`` semantics (an earlier run is moved aside, never deleted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from fastcov.trainer.experiments.configs import resolve_config
+from fastcov.trainer.experiments.runs import train_runs
+
+
+def load_study(path: str | Path) -> dict:
+    import yaml
+
+    from fastcov.errors import UserError
+
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"study file {str(p)!r} does not exist")
+    data = yaml.safe_load(p.read_text()) or {}
+    if not isinstance(data, dict) or not isinstance(data.get("arms"), dict) or not data["arms"]:
+        raise UserError(f"{p}: a study needs 'arms', a mapping of name -> list of KEY=VALUE overrides")
+    for key in data:
+        if key not in ("title", "base", "out", "setup", "task", "common", "arms", "notes", "seeds", "pass_k",
+                       "contrasts"):
+            raise UserError(f"{p}: unknown study key {key!r} (title, base, out, setup, task, common, arms, notes, "
+                            "seeds, pass_k, contrasts)")
+    seeds = data.get("seeds", [None])
+    if not isinstance(seeds, list) or not seeds or not all(s is None or (isinstance(s, int) and s >= 0) for s in seeds):
+        raise UserError(f"{p}: seeds must be a non-empty list of non-negative ints, got {seeds!r}")
+    if data.get("setup", "none") not in ("demo", "none"):
+        raise UserError(f"{p}: setup must be 'demo' or 'none', got {data.get('setup')!r}")
+    data["task"] = _task(p, data)
+    for name, over in data["arms"].items():
+        if not isinstance(over, list) or not all(isinstance(o, str) and "=" in o for o in over):
+            raise UserError(f"{p}: arms.{name} must be a list of KEY=VALUE strings")
+    for c in data.get("contrasts") or []:
+        pair = _contrast(c)
+        if len(pair) != 2 or not all(x in data["arms"] for x in pair):
+            raise UserError(f"{p}: contrasts entries are 'ARM - ARM' with both arms in 'arms', got {c!r}")
+    return data
+
+
+def _task(p: Path, data: dict) -> dict:
+    """The study's ``task`` (setup: demo only) with the demo's defaults filled in: max_ops, max_value,
+    style_weights (one non-negative weight per answer style, positive sum)."""
+    from fastcov.errors import UserError
+    from fastcov.trainer.experiments.demo import MAX_OPS, MAX_VALUE, SFTConfig, style_weights_error
+
+    task = data.get("task") or {}
+    if task and data.get("setup") != "demo":
+        raise UserError(f"{p}: task applies to setup: demo only (setup is {data.get('setup', 'none')!r})")
+    if not isinstance(task, dict):
+        raise UserError(f"{p}: task must be a mapping (max_ops, max_value, style_weights), got {task!r}")
+    unknown = set(task) - {"max_ops", "max_value", "style_weights"}
+    if unknown:
+        raise UserError(f"{p}: unknown task key {sorted(unknown)[0]!r} (max_ops, max_value, style_weights)")
+    out = {"max_ops": task.get("max_ops", MAX_OPS), "max_value": task.get("max_value", MAX_VALUE),
+           "style_weights": list(task.get("style_weights", SFTConfig.style_weights))}
+    for key in ("max_ops", "max_value"):
+        if not isinstance(out[key], int) or isinstance(out[key], bool) or out[key] < 1:
+            raise UserError(f"{p}: task.{key} must be a positive int, got {out[key]!r}")
+    if (problem := style_weights_error(out["style_weights"])) is not None:
+        raise UserError(f"{p}: task.style_weights: {problem}, got {out['style_weights']!r}")
+    return out
+
+
+def _contrast(entry) -> tuple[str, ...]:
+    """A study's contrast entry 'ARM - OTHER' as (ARM, OTHER); anything else gives a tuple of another length."""
+    return tuple(x.strip() for x in entry.split(" - ")) if isinstance(entry, str) else ()
+
+
+def _resolve(path: str) -> str:
+    return str(resolve_config(path))
+
+
+def _parser() -> argparse.ArgumentParser:
+    from fastcov.trainer.experiments import demo
+
+    ap = argparse.ArgumentParser(prog="python -m fastcov.trainer.study", description=__doc__.splitlines()[0])
+    ap.add_argument("study", help="study YAML (see configs/studies/)")
+    ap.add_argument("--out", default=None, help="output directory (default: the study's 'out')")
+    ap.add_argument("--arms", default=None, help="comma-separated subset of the arms")
+    ap.add_argument("--sft-steps", type=int, default=None, help="setup: demo: warm-start steps")
+    ap.add_argument("--n-train", type=int, default=2000)
+    ap.add_argument("--n-val", type=int, default=demo.N_VAL, help="held-out prompts (default %(default)s)")
+    ap.add_argument("--reuse-sft", action="store_true", help="setup: demo: keep an existing warm-start model")
+    ap.add_argument("--seeds", default=None, help="comma-separated seeds, replacing the study's")
+    ap.add_argument("--report-only", action="store_true",
+                    help="train nothing: write the report again from the runs already in --out")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="runs trained at once, each in its own process (default 1; on CPU at most the core "
+                         "count over trainer.threads)")
+    ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="applied to every arm")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _parser()
+    args = ap.parse_intermixed_args(argv)
+    if not os.environ.get("DS_ACCELERATOR"):
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ["DS_ACCELERATOR"] = "cpu"
+    from fastcov.errors import UserError
+    from fastcov.trainer.config import load_config
+    from fastcov.trainer.experiments.report import write_report
+    from fastcov.trainer.train import train
+
+    try:
+        study = load_study(args.study)
+        arms = list(study["arms"])
+        if args.arms:
+            wanted = [a.strip() for a in args.arms.split(",") if a.strip()]
+            for a in wanted:
+                if a not in study["arms"]:
+                    raise UserError(f"--arms: unknown arm {a!r} (the study has {', '.join(arms)})")
+            arms = wanted
+        out = Path(args.out or study.get("out") or "runs/study")
+        base = _resolve(study.get("base", "configs/demo.yaml"))
+        setup: list[str] = []
+        t_start = time.perf_counter()
+        if study.get("setup") == "demo":
+            setup = _demo_setup(out, args, study["task"])
+        seeds = study.get("seeds", [None])
+        if args.seeds:
+            try:
+                seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+            except ValueError:
+                raise UserError(f"--seeds: expected comma-separated ints, got {args.seeds!r}") from None
+        multi = len(seeds) > 1
+        runs = [(a, sd) for a in arms for sd in seeds]  # arm-major: one arm's seeds back to back
+
+        def run_dir(a, sd):
+            return out / a / f"seed{sd}" if multi else out / a
+
+        cfgs = {(a, sd): load_config(base, setup + list(study.get("common") or []) + list(study["arms"][a])
+                                     + [f"trainer.run_dir={run_dir(a, sd)}"]
+                                     + ([f"trainer.seed={sd}"] if sd is not None else []) + list(args.overrides))
+                for a, sd in runs}
+    except UserError as exc:
+        print(f"study: {exc}", file=sys.stderr)
+        return 2
+    if args.report_only:
+        run_dirs = {(a, sd): run_dir(a, sd) for a, sd in runs}
+        missing = [str(d) for d in run_dirs.values() if not (d / "metrics.jsonl").is_file()]
+        if missing:
+            print(f"study: --report-only: no metrics.jsonl in {', '.join(missing)}", file=sys.stderr)
+            return 2
+        total, timings = _previous_times(out)
+        if set(timings) != set(arms):  # not recorded for these arms: the runs' own step times
+            timings = {a: sum(_seconds_of(run_dirs[(a, sd)]) for sd in seeds) for a in arms}
+    else:
+        run_dirs, timings = train_runs(runs, cfgs, multi, max(1, args.jobs), train)
+        if study.get("setup") == "demo":
+            from fastcov.trainer.experiments.demo import evaluate_harder_runs
+
+            evaluate_harder_runs(run_dirs, cfgs, out / "data" / "harder.parquet", out / "sft" / "model", "study")
+        total = time.perf_counter() - t_start
+    if multi:
+        return _seed_report(study, args, out, base, arms, seeds, run_dirs, timings, total)
+    run_dirs = [run_dirs[(a, seeds[0])] for a in arms]
+    pre = (f"Study `{os.path.relpath(args.study)}` on `{os.path.relpath(base)}`; wall time {_wall(total)} ("
+           + ", ".join(f"{a} {s:.0f}s" for a, s in timings.items()) + ").")
+    if study.get("notes"):
+        pre += "\n\n" + str(study["notes"]).strip()
+    report, _ = write_report(run_dirs, out, study.get("title", "fastcov study"), pre)
+    print(report.read_text())
+    print(f"[study] report: {report}")
+    return 0
+
+
+def _demo_setup(out: Path, args, task: dict) -> list[str]:
+    """``setup: demo``: the demo's task and warm-start model in ``out`` (nothing written with
+    --report-only; an existing model kept with --reuse-sft), and the overrides that point every arm at them.
+    ``task`` is the study's (``_task``): the problems' size and the warm-start's mix of answer styles."""
+    from fastcov.trainer.experiments import demo
+
+    data_dir, sft_dir = out / "data", out / "sft"
+    if not args.report_only:
+        demo.write_task(data_dir, args.n_train, args.n_val, task["max_ops"], task["max_value"], seed=0)
+        if not (args.reuse_sft and (sft_dir / "model" / "config.json").exists()):
+            steps = args.sft_steps if args.sft_steps is not None else demo.SFTConfig.steps
+            print(f"[study] warm-start: supervised training of the demo's tiny Qwen2 ({steps} steps)", flush=True)
+            scfg = demo.SFTConfig(steps=steps, style_weights=tuple(float(x) for x in task["style_weights"]))
+            demo.warm_start(sft_dir, data_dir, scfg, task["max_ops"], task["max_value"])
+    return [f"model.path={sft_dir / 'model'}", f"data.train_files=[{data_dir / 'train.parquet'}]",
+            f"data.val_files=[{data_dir / 'val.parquet'}]"]
+
+
+def _previous_times(out: Path) -> tuple[float | None, dict[str, float]]:
+    """The wall time and per-arm seconds the study that trained the runs in ``out`` recorded (study.json)."""
+    import json
+
+    try:
+        data = json.loads((out / "study.json").read_text())
+        return float(data["wall_s"]), {a: float(v) for a, v in data.get("arm_seconds", {}).items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None, {}
+
+
+def _wall(total: float | None) -> str:
+    return "unknown" if total is None else f"{total:.0f}s"
+
+
+def _seconds_of(run_dir: Path) -> float:
+    """A finished run's training time: the sum of its steps' ``time/step`` (evaluations not included)."""
+    from fastcov.trainer.experiments.report import read_rows
+
+    return sum(r.get("time/step", 0.0) for r in read_rows(run_dir / "metrics.jsonl"))
+
+
+def _seed_report(study, args, out: Path, base: str, arms, seeds, run_dirs, timings, total) -> int:
+    """report.md, study.json and entropy_bands.png of a multi-seed study (mean ± 95% CI across seeds)."""
+    import json
+
+    from fastcov.trainer.experiments.study_report import plot_bands, plot_harder, run_numbers, study_tables
+
+    pass_k = int(study.get("pass_k", 8))
+    numbers = {a: [run_numbers(run_dirs[(a, sd)], pass_k) for sd in seeds] for a in arms}
+    contrasts = [_contrast(c) for c in study.get("contrasts") or []]
+    lines, summary = study_tables(numbers, pass_k, contrasts=[c for c in contrasts if all(a in numbers for a in c)])
+    plot = plot_bands(numbers, out / "entropy_bands.png")
+    head = [f"# {study.get('title', 'fastcov study')}", "",
+            f"Study `{os.path.relpath(args.study)}` on `{os.path.relpath(base)}`, seeds {seeds}; wall time "
+            f"{_wall(total)} (" + ", ".join(f"{a} {s:.0f}s" for a, s in timings.items()) + ").",
+            "Mean ± 95% confidence interval across seeds (Student's t; Welch's for differences). "
+            "Entropy end: mean of the last 10% of steps. pass@k / mean@k: the last evaluation.", ""]
+    if study.get("notes"):
+        head += [str(study["notes"]).strip(), ""]
+    bars = plot_harder(summary["harder"], out / "harder.png") if "harder" in summary else None
+    body = head + lines + (["", f"![entropy across seeds]({plot.name})"] if plot else []) + (
+        ["", f"![problems with one operation more]({bars.name})"] if bars else [])
+    (out / "report.md").write_text("\n".join(body) + "\n")
+    summary.update(seeds=seeds, pass_k=pass_k, wall_s=total, arm_seconds=timings,
+                   runs={f"{a}/seed{sd}": str(run_dirs[(a, sd)]) for a, sd in run_dirs})
+    (out / "study.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
+    print("\n".join(body))
+    print(f"[study] report: {out / 'report.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    from fastcov.trainer.experiments.demo import reexec_for_reproducible_cpu
+
+    reexec_for_reproducible_cpu("fastcov.trainer.experiments.study")
+    raise SystemExit(main())
