@@ -64,12 +64,6 @@ def finalize(stats: torch.Tensor, valid: torch.Tensor, vocab_size: int, want_cov
     return logsumexp, logprob, entropy, vocab_cov
 
 
-def merge_topk(values: torch.Tensor, indices: torch.Tensor, k: int):
-    """Top-k over candidate columns: values [N, C] fp32, indices [N, C] int64 -> ([N, k], [N, k]), descending."""
-    top_values, pos = torch.topk(values, k, dim=1)
-    return top_values, torch.gather(indices, 1, pos)
-
-
 def dz_from_upstream(z, logsumexp, entropy, labels_local, g, e):
     """Gradient w.r.t. the tempered logits z of a tile, computed in place of z: [n, v] fp32.
 

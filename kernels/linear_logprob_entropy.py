@@ -50,25 +50,81 @@ def _grouped_program(pid, n_blocks_a, n_blocks_b, GROUP: tl.constexpr):
 
 
 @triton.jit
-def _logits_tile(h_ptr, w_ptr, b_ptr, rows, cols, row_mask, col_mask, D, stride_hn, stride_hd,
+def _logits_tile(h_base, w_base, b_base, offs_n, offs_v, n_left, v_left, D, stride_hn, stride_hd,
                  stride_wv, stride_wd, inv_temp,
                  HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
                  BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
-    """fp32 tempered logits of a [BLOCK_N, BLOCK_V] tile; masked rows/columns hold finite garbage.
-    ``rows``/``cols`` are int64 so the pointer offsets cannot wrap."""
+    """fp32 tempered logits of a [BLOCK_N, BLOCK_V] tile; rows/columns past the ends hold finite garbage.
+
+    ``h_base``/``w_base``/``b_base`` are 64-bit pointers to the tile's first row and column (the caller
+    forms them with int64 arithmetic once per tile); inside the tile every offset is int32, so no
+    per-element 64-bit index lives in registers. The D loop advances the base pointers, not a tensor."""
     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
     offs_d = tl.arange(0, BLOCK_D)
-    h_rows = h_ptr + rows[:, None] * stride_hn
-    w_cols = w_ptr + cols[:, None] * stride_wv
+    # rows/columns past the ends read the last row/column again instead of carrying a mask tile
+    # through the D loop: only the [BLOCK_D] mask of the last D step remains
+    h_offs = tl.minimum(offs_n, n_left - 1)[:, None] * stride_hn + offs_d[None, :] * stride_hd
+    w_offs = tl.minimum(offs_v, v_left - 1)[:, None] * stride_wv + offs_d[None, :] * stride_wd
     for d0 in range(0, D, BLOCK_D):
-        dk = d0 + offs_d
-        dmask = dk < D
-        h = tl.load(h_rows + dk[None, :] * stride_hd, mask=row_mask[:, None] & dmask[None, :], other=0.0)
-        w = tl.load(w_cols + dk[None, :] * stride_wd, mask=col_mask[:, None] & dmask[None, :], other=0.0)
+        dmask = (offs_d < D - d0)[None, :]
+        h = tl.load(h_base + h_offs, mask=dmask, other=0.0)
+        w = tl.load(w_base + w_offs, mask=dmask, other=0.0)
         acc = tl.dot(h, tl.trans(w), acc, input_precision=PRECISION)
+        h_base += BLOCK_D * stride_hd
+        w_base += BLOCK_D * stride_wd
     if HAS_BIAS:
-        acc += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        acc += tl.load(b_base + offs_v, mask=offs_v < v_left, other=0.0).to(tl.float32)[None, :]
     return acc * inv_temp
+
+
+@triton.jit
+def _add2(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
+
+
+@triton.jit
+def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
+    return a0 + b0, a1 + b1, a2 + b2, a3 + b3
+
+
+@triton.jit
+def _tile_sums(zc, COV: tl.constexpr):
+    """Row sums Σe, Σe·zc (and Σe², Σe²·zc with COV) of e = exp(zc), as one multi-operand reduction,
+    so each element's e is consumed where it is formed and no second tile-sized temporary stays live
+    (at 128×256 the logits tile alone is 128 registers a thread). zc = −inf gives e = 0 and e·zc = 0."""
+    e = tl.exp(zc)
+    ez = tl.where(e > 0.0, e * zc, 0.0)
+    if COV:
+        e2 = e * e
+        s_t, u_t, s2_t, u2_t = tl.reduce((e, ez, e2, ez * e), 1, _add4)
+    else:
+        s_t, u_t = tl.reduce((e, ez), 1, _add2)
+        s2_t = s_t
+        u2_t = u_t
+    return s_t, u_t, s2_t, u2_t
+
+
+@triton.jit
+def _insert_topk(zc, m_ref, v0, top_v, top_i, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
+                 BLOCK_V: tl.constexpr):
+    """Insert a tile's largest values (``zc`` = z − m_ref, −inf past V) into the running top-k (values
+    as z, int32 column indices), each in place of the smallest kept value. Only columns above the row's
+    current k-th value are candidates, and the loop runs as many times as the most candidates any row
+    has (at most TOPK): a runtime loop, not TOPK unrolled copies of a tile-wide argmax."""
+    slot = tl.arange(0, TOPK_PAD)
+    local = tl.arange(0, BLOCK_V)
+    kth = tl.min(top_v, axis=1) - m_ref
+    zc = tl.where(zc > kth[:, None], zc, float("-inf"))
+    rounds = tl.minimum(tl.max(tl.sum((zc > kth[:, None]).to(tl.int32), axis=1), axis=0), TOPK)
+    for _ in range(0, rounds):
+        best, best_at = tl.max(zc, axis=1, return_indices=True)
+        worst, worst_at = tl.min(top_v, axis=1, return_indices=True)
+        best_z = best + m_ref
+        put = (slot[None, :] == worst_at[:, None]) & (best_z > worst)[:, None]
+        top_v = tl.where(put, best_z[:, None], top_v)
+        top_i = tl.where(put, (v0 + best_at)[:, None], top_i)
+        zc = tl.where(local[None, :] == best_at[:, None], float("-inf"), zc)
+    return top_v, top_i
 
 
 @triton.jit
@@ -78,9 +134,14 @@ def _forward_kernel(h_ptr, w_ptr, b_ptr, y_ptr, part_ptr, topv_ptr, topi_ptr,
                     PRECISION: tl.constexpr, GROUP_N: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr):
     pid_n, pid_s = _grouped_program(tl.program_id(0), tl.cdiv(N, BLOCK_N), SPLITS, GROUP_N)
-    rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < N
-    labels = tl.load(y_ptr + rows, mask=row_mask, other=-1)
+    row0 = pid_n * BLOCK_N
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_v = tl.arange(0, BLOCK_V)
+    n_left = N - row0
+    row_mask = offs_n < n_left
+    h_base = h_ptr + row0.to(tl.int64) * stride_hn
+    # labels < V < 2^31: the column compare runs in int32 against the tile-local label
+    labels = tl.load(y_ptr + row0.to(tl.int64) + offs_n, mask=row_mask, other=-1).to(tl.int32)
 
     neg_inf = float("-inf")
     m = tl.full((BLOCK_N,), neg_inf, tl.float32)
@@ -95,60 +156,44 @@ def _forward_kernel(h_ptr, w_ptr, b_ptr, y_ptr, part_ptr, topv_ptr, topi_ptr,
         top_v = tl.where(slot[None, :] < TOPK, neg_inf, float("inf")) + tl.zeros((BLOCK_N, TOPK_PAD), tl.float32)
         top_i = tl.zeros((BLOCK_N, TOPK_PAD), tl.int32)
 
-    n_tiles = tl.cdiv(V, BLOCK_V)
-    tiles_per_split = tl.cdiv(n_tiles, SPLITS)
+    tiles_per_split = tl.cdiv(tl.cdiv(V, BLOCK_V), SPLITS)
     for t in range(0, tiles_per_split):
         v0 = (pid_s * tiles_per_split + t) * BLOCK_V
-        cols = v0.to(tl.int64) + tl.arange(0, BLOCK_V)
-        col_mask = cols < V
-        z = _logits_tile(h_ptr, w_ptr, b_ptr, rows, cols, row_mask, col_mask, D, stride_hn, stride_hd,
-                         stride_wv, stride_wd, inv_temp, HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION)
-        z = tl.where(col_mask[None, :], z, neg_inf)
-
+        v_left = V - v0
+        z = _logits_tile(h_base, w_ptr + v0.to(tl.int64) * stride_wv, b_ptr + v0.to(tl.int64), offs_n, offs_v,
+                         n_left, v_left, D, stride_hn, stride_hd, stride_wv, stride_wd, inv_temp,
+                         HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION)
+        z = tl.where((offs_v < v_left)[None, :], z, neg_inf)
+        zy = tl.maximum(zy, tl.max(tl.where(offs_v[None, :] == (labels - v0)[:, None], z, neg_inf), axis=1))
         m_new = tl.maximum(m, tl.max(z, axis=1))
         m_ref = tl.where(m_new == neg_inf, 0.0, m_new)  # a split past V sees no column at all
         scale = tl.exp(m - m_ref)
         shift = tl.where(m == neg_inf, 0.0, m - m_ref)
-        zc = tl.where(col_mask[None, :], z - m_ref[:, None], 0.0)
-        e = tl.where(col_mask[None, :], tl.exp(zc), 0.0)
-        u = scale * (u + shift * s) + tl.sum(e * zc, axis=1)
-        s = scale * s + tl.sum(e, axis=1)
+        zc = z - m_ref[:, None]  # −inf past V: e = 0 there, and e·zc is taken as 0
+        s_t, u_t, s2_t, u2_t = _tile_sums(zc, COV)
+        u = scale * (u + shift * s) + u_t
+        s = scale * s + s_t
         if COV:
-            e2 = e * e
-            u2 = scale * scale * (u2 + shift * s2) + tl.sum(e2 * zc, axis=1)
-            s2 = scale * scale * s2 + tl.sum(e2, axis=1)
+            u2 = scale * scale * (u2 + shift * s2) + u2_t
+            s2 = scale * scale * s2 + s2_t
         m = m_new
-        hit = cols[None, :] == labels[:, None]
-        zy = tl.maximum(zy, tl.max(tl.where(hit, z, neg_inf), axis=1))
-
         if TOPK > 0:
-            # insert the tile's largest values one by one in place of the smallest kept value
-            cand = z
-            local = tl.arange(0, BLOCK_V)
-            for _ in tl.static_range(TOPK):
-                best = tl.max(cand, axis=1)
-                best_at = tl.argmax(cand, axis=1)
-                worst = tl.min(top_v, axis=1)
-                worst_at = tl.argmin(top_v, axis=1)
-                take = best > worst
-                put = (slot[None, :] == worst_at[:, None]) & take[:, None]
-                top_v = tl.where(put, best[:, None], top_v)
-                top_i = tl.where(put, (v0 + best_at)[:, None], top_i)
-                cand = tl.where(local[None, :] == best_at[:, None], neg_inf, cand)
+            top_v, top_i = _insert_topk(zc, m_ref, v0, top_v, top_i, TOPK, TOPK_PAD, BLOCK_V)
 
-    base = part_ptr + pid_s.to(tl.int64) * N + rows
-    stride_stat = SPLITS * N
-    tl.store(base, m, mask=row_mask)
-    tl.store(base + stride_stat, s, mask=row_mask)
-    tl.store(base + 2 * stride_stat, u, mask=row_mask)
-    tl.store(base + 3 * stride_stat, s2, mask=row_mask)
-    tl.store(base + 4 * stride_stat, u2, mask=row_mask)
-    tl.store(base + 5 * stride_stat, zy, mask=row_mask)
+    base = part_ptr + pid_s.to(tl.int64) * N + row0
+    stride_stat = (pid_s * 0 + SPLITS).to(tl.int64) * N  # SPLITS may arrive as the constant 1
+    tl.store(base + offs_n, m, mask=row_mask)
+    tl.store(base + stride_stat + offs_n, s, mask=row_mask)
+    tl.store(base + 2 * stride_stat + offs_n, u, mask=row_mask)
+    tl.store(base + 3 * stride_stat + offs_n, s2, mask=row_mask)
+    tl.store(base + 4 * stride_stat + offs_n, u2, mask=row_mask)
+    tl.store(base + 5 * stride_stat + offs_n, zy, mask=row_mask)
     if TOPK > 0:
-        offs = (pid_s.to(tl.int64) * N + rows)[:, None] * TOPK + slot[None, :]
+        k_base = (pid_s.to(tl.int64) * N + row0) * TOPK
+        offs = offs_n[:, None] * TOPK + slot[None, :]
         kmask = row_mask[:, None] & (slot[None, :] < TOPK)
-        tl.store(topv_ptr + offs, top_v, mask=kmask)
-        tl.store(topi_ptr + offs, top_i, mask=kmask)
+        tl.store(topv_ptr + k_base + offs, top_v, mask=kmask)
+        tl.store(topi_ptr + k_base + offs, top_i, mask=kmask)
 
 
 @triton.jit
@@ -158,51 +203,85 @@ def _dz_kernel(h_ptr, w_ptr, b_ptr, y_ptr, lse_ptr, ent_ptr, g_ptr, e_ptr, dz_pt
                BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr):
     """dZ [N, V] (row stride V, input dtype) of a chunk of N tokens: each program one tile, no atomics."""
     pid_n, pid_v = _grouped_program(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(V, BLOCK_V), GROUP_N)
-    rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = pid_v.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
-    row_mask = rows < N
-    col_mask = cols < V
-    labels = tl.load(y_ptr + rows, mask=row_mask, other=-1)
+    row0 = pid_n * BLOCK_N
+    v0 = pid_v * BLOCK_V
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_v = tl.arange(0, BLOCK_V)
+    n_left = N - row0
+    v_left = V - v0
+    row_mask = offs_n < n_left
+    rows = row0.to(tl.int64) + offs_n
+    z = _logits_tile(h_ptr + row0.to(tl.int64) * stride_hn, w_ptr + v0.to(tl.int64) * stride_wv,
+                     b_ptr + v0.to(tl.int64), offs_n, offs_v, n_left, v_left, D, stride_hn, stride_hd,
+                     stride_wv, stride_wd, inv_temp, HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION)
+    # the row vectors are read after the matmul, so they are not live across the D loop
+    labels = tl.load(y_ptr + rows, mask=row_mask, other=-1).to(tl.int32) - v0
     lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
     ent = tl.load(ent_ptr + rows, mask=row_mask, other=0.0)
     g = tl.load(g_ptr + rows, mask=row_mask, other=0.0)
     e = tl.load(e_ptr + rows, mask=row_mask, other=0.0)
-
-    z = _logits_tile(h_ptr, w_ptr, b_ptr, rows, cols, row_mask, col_mask, D, stride_hn, stride_hd,
-                     stride_wv, stride_wd, inv_temp, HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION)
     logp = z - lse[:, None]
-    p = tl.exp(logp)
-    dz = -(g[:, None] + e[:, None] * (logp + ent[:, None])) * p
-    dz += tl.where(cols[None, :] == labels[:, None], g[:, None], 0.0)
+    dz = -(g[:, None] + e[:, None] * (logp + ent[:, None])) * tl.exp(logp)
+    dz += tl.where(offs_v[None, :] == labels[:, None], g[:, None], 0.0)
     dz = dz * inv_temp
-    tl.store(dz_ptr + rows[:, None] * V + cols[None, :], dz.to(dz_ptr.dtype.element_ty),
-             mask=row_mask[:, None] & col_mask[None, :])
+    dz_base = dz_ptr + row0.to(tl.int64) * V + v0
+    tl.store(dz_base + offs_n[:, None] * V + offs_v[None, :], dz.to(dz_ptr.dtype.element_ty),
+             mask=row_mask[:, None] & (offs_v < v_left)[None, :])
 
 
-# Hopper (H100/H200) search spaces; untuned until a GPU run lands (bench/kernels.py --preset h100).
-def _forward_configs():
-    configs = []
-    for bn, bv in ((64, 128), (128, 64), (128, 128), (128, 256)):
-        for bd in (32, 64):
-            for warps, stages in ((4, 3), (8, 3), (8, 4)):
-                configs.append(triton.Config({"BLOCK_N": bn, "BLOCK_V": bv, "BLOCK_D": bd},
-                                             num_warps=warps, num_stages=stages))
-    return configs
+# The autotune spaces (untuned for speed until a GPU run lands; bench/kernels.py --preset h100). Each
+# config is spill-free on sm_90a and sm_100a for the dtype and switches it is offered to, as compiled
+# by `python -m bench.compile` (bench/results/compile/); 4-warp variants of the same tiles spilled
+# and were pruned. (BLOCK_N, BLOCK_V, BLOCK_D, num_warps, num_stages):
+_FWD_LARGE = ((128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 32, 8, 4))
+_FWD_MEDIUM = ((64, 128, 64, 8, 3), (64, 128, 32, 8, 4), (128, 64, 64, 8, 3), (128, 64, 32, 8, 4))
+# fp32 inputs take the exact (FMA, no tensor core) dot: only tiles small enough for its registers
+_FP32 = ((64, 128, 32, 8, 3), (64, 128, 32, 8, 4), (128, 64, 32, 8, 3), (64, 64, 32, 4, 3))
+_DZ = ((128, 256, 64, 8, 3), (128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4),
+       (128, 128, 32, 8, 4))
 
 
-def _dz_configs():
-    configs = []
-    for bn, bv in ((64, 128), (128, 128), (128, 256)):
-        for bd in (32, 64):
-            for warps, stages in ((4, 4), (8, 3), (8, 4)):
-                configs.append(triton.Config({"BLOCK_N": bn, "BLOCK_V": bv, "BLOCK_D": bd},
-                                             num_warps=warps, num_stages=stages))
-    return configs
+def _as_configs(space):
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_V": bv, "BLOCK_D": bd}, num_warps=w, num_stages=st)
+            for bn, bv, bd, w, st in space]
 
 
-_forward_tuned = triton.autotune(configs=_forward_configs(),
-                                 key=["N_BUCKET", "V", "D", "SPLITS"])(_forward_kernel)
-_dz_tuned = triton.autotune(configs=_dz_configs(), key=["N_BUCKET", "V", "D"])(_dz_kernel)
+def forward_space(dtype: str, topk: int = 0) -> tuple:
+    """The forward's configs for an input dtype name and top-k: the 128×128 tiles spill with the top-k
+    insertion, so top-k calls get the 64×128/128×64 tiles."""
+    if dtype == "float32":
+        return _FP32
+    return _FWD_MEDIUM if topk else _FWD_LARGE + _FWD_MEDIUM
+
+
+def dz_space(dtype: str) -> tuple:
+    return _FP32 if dtype == "float32" else _DZ
+
+
+def _dtype_name(named_args) -> str:
+    return str(named_args["h_ptr"].dtype).removeprefix("torch.")
+
+
+def _prune_forward(configs, named_args, **kwargs):
+    keep = set(forward_space(_dtype_name(named_args), kwargs.get("TOPK", 0)))
+    return [c for c in configs if _key(c) in keep]
+
+
+def _prune_dz(configs, named_args, **kwargs):
+    keep = set(dz_space(_dtype_name(named_args)))
+    return [c for c in configs if _key(c) in keep]
+
+
+def _key(config) -> tuple:
+    kw = config.kwargs
+    return kw["BLOCK_N"], kw["BLOCK_V"], kw["BLOCK_D"], config.num_warps, config.num_stages
+
+
+_forward_tuned = triton.autotune(configs=_as_configs(dict.fromkeys(_FWD_LARGE + _FWD_MEDIUM + _FP32)),
+                                 key=["N_BUCKET", "V", "D", "SPLITS"],
+                                 prune_configs_by={"early_config_prune": _prune_forward})(_forward_kernel)
+_dz_tuned = triton.autotune(configs=_as_configs(dict.fromkeys(_DZ + _FP32)), key=["N_BUCKET", "V", "D"],
+                            prune_configs_by={"early_config_prune": _prune_dz})(_dz_kernel)
 
 # Small fixed tiles for the CPU interpreter (slow: every tile is numpy).
 INTERPRETER_TILES = {"BLOCK_N": 16, "BLOCK_V": 32, "BLOCK_D": 16}

@@ -1,0 +1,315 @@
+"""Compile report: every Triton kernel for sm_80, sm_90a and sm_100a, without a GPU.
+
+    python -m bench.compile                       # fastcov's kernels, the full matrix (make compile-report)
+    python -m bench.compile --peers               # plus Cut Cross-Entropy's and Liger's kernels
+    python -m bench.compile --kernels _dz_kernel --archs 90 --dtypes bfloat16
+
+Each case (kernel × dtype × compile-time switches × launch config × arch) is compiled by Triton's CUDA
+backend from the AST (``triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget(...))``,
+a fresh cache, so the seconds are a user's first call), then its PTX goes through ``ptxas -v`` from
+Triton's own ``backends/nvidia/bin`` (``ptxas-blackwell``, the one that reads Triton 3.9's PTX) with
+the flags Triton uses. Recorded per case: registers, spill stores/loads, stack frame, shared memory,
+tensor-core path (tcgen05 / wgmma / mma / none) and compile seconds.
+
+The kernels and their signatures come from ``fastcov.kernels.compile_table`` (one table beside the
+kernels); the peers' from ``bench/compile_peers.py``. Results: one JSON line per case in
+``bench/results/compile/<name>.jsonl`` and a markdown summary next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ARCHS = (80, 90, 100)
+REPO = Path(__file__).resolve().parent.parent
+OUT = REPO / "bench" / "results" / "compile"
+
+
+def arch_name(cap: int) -> str:
+    return f"sm_{cap}" if cap < 90 else f"sm_{cap}a"
+
+
+@dataclass
+class Case:
+    kernel: str
+    dtype: str
+    switch: dict
+    launch: object  # compile_table.Launch
+    arch: int
+    row: object     # compile_table.KernelRow (or a peer row with the same interface)
+
+    def key(self) -> dict:
+        return {"kernel": self.kernel, "dtype": self.dtype, "switch": self.switch, "config": self.launch.label(),
+                "num_warps": self.launch.num_warps, "num_stages": self.launch.num_stages,
+                "meta": self.launch.meta, "arch": arch_name(self.arch)}
+
+
+def ptxas_path() -> Path:
+    import triton
+
+    return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas-blackwell"
+
+
+def cuda_backend_reason() -> str | None:
+    """Why AOT compilation cannot run here, or None."""
+    try:
+        import triton  # noqa: F401
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+        from triton.compiler import ASTSource  # noqa: F401
+    except Exception as exc:  # noqa: BLE001
+        return f"triton's CUDA backend not importable: {exc}"
+    if not ptxas_path().is_file():
+        return f"no ptxas at {ptxas_path()}"
+    return None
+
+
+_PTXAS = {
+    "registers": re.compile(r"Used (\d+) registers"),
+    "spill_stores": re.compile(r"(\d+) bytes spill stores"),
+    "spill_loads": re.compile(r"(\d+) bytes spill loads"),
+    "stack": re.compile(r"(\d+) bytes stack frame"),
+}
+
+
+def parse_ptxas(log: str) -> dict:
+    """Registers, spill stores/loads and stack frame (bytes per thread) from ``ptxas -v`` output."""
+    out = {}
+    for key, pattern in _PTXAS.items():
+        found = [int(x) for x in pattern.findall(log)]
+        out[key] = max(found) if found else None
+    return out
+
+
+def tensor_core_path(ptx: str) -> str:
+    if "tcgen05.mma" in ptx:
+        return "tcgen05"
+    if "wgmma.mma_async" in ptx:
+        return "wgmma"
+    if re.search(r"\bmma\.sync", ptx):
+        return "mma"
+    return "none"
+
+
+def run_ptxas(ptx: str, arch: int) -> str:
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        cmd = [str(ptxas_path()), "-lineinfo", "-v", "--regAllocOptLevel=2", f"--gpu-name={arch_name(arch)}",
+               str(src), "-o", str(Path(tmp) / "k.cubin")]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"ptxas failed: {proc.stderr.strip()[-400:]}")
+        return proc.stderr + proc.stdout
+
+
+def compile_case(case: Case) -> dict:
+    """Compile one case and read its resources; never raises (errors land in the record)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    rec = case.key()
+    row = case.row
+    try:
+        src = ASTSource(row.fn, row.signature(case.dtype), row.constexprs(case.dtype, case.switch, case.launch),
+                        row.attrs())
+        t0 = time.perf_counter()
+        compiled = triton.compile(src, target=GPUTarget("cuda", case.arch, 32),
+                                  options=dict(num_warps=case.launch.num_warps, num_stages=case.launch.num_stages))
+        rec["compile_s"] = round(time.perf_counter() - t0, 3)
+        ptx = compiled.asm["ptx"]
+        rec.update(parse_ptxas(run_ptxas(ptx, case.arch)))
+        rec["smem"] = int(compiled.metadata.shared)
+        rec["tensor_cores"] = tensor_core_path(ptx)
+        rec["status"] = "ok"
+    except Exception as exc:  # noqa: BLE001 - one failing case must not stop the report
+        rec.update(status="error", reason=f"{type(exc).__name__}: {str(exc).strip()[:300]}")
+    return rec
+
+
+def _fastcov_rows():
+    from fastcov.kernels.compile_table import KERNELS
+
+    return list(KERNELS)
+
+
+def _peer_rows():
+    from bench.compile_peers import peer_rows
+
+    return peer_rows()
+
+
+def cases(rows, archs=ARCHS, dtypes=None, kernels=None, quick=False):
+    """Every (row × dtype × switch × launch × arch), or with ``quick`` one launch per (row, dtype)
+    and the switches all on (the heaviest variant)."""
+    out = []
+    for row in rows:
+        if kernels and not any(k in row.name for k in kernels):
+            continue
+        for dtype in row.dtypes:
+            if dtypes and dtype not in dtypes:
+                continue
+            switches = [row.switches[-1]] if quick else row.switches
+            for switch in switches:
+                launches = row.launches(dtype, switch)
+                for launch in launches[:1] if quick else launches:
+                    for arch in archs:
+                        out.append(Case(row.name, dtype, switch, launch, arch, row))
+    return out
+
+
+def _switch_label(switch: dict) -> str:
+    on = [k if v is True else f"{k}={v}" for k, v in switch.items() if v and k != "TOPK_PAD"]
+    return ",".join(on) or "-"
+
+
+def render_md(records: list[dict], title: str, command: str) -> str:
+    """The summary: per kernel × dtype × switches × arch, spill-free configs, worst spills, compile seconds;
+    then one line per case."""
+    lines = [f"# {title}", "", f"`{command}`; registers/spills/stack are bytes per thread from `ptxas -v` "
+             "(ptxas-blackwell of Triton's backend), smem from Triton's metadata, seconds = `triton.compile` "
+             "with a fresh cache (what the autotuner pays per config on a first call).", ""]
+    lines += _summary_table(records) + [""] + _compile_cost_table(records) + [""] + _case_table(records)
+    return "\n".join(lines) + "\n"
+
+
+def _group(records, key):
+    groups: dict = {}
+    for r in records:
+        groups.setdefault(key(r), []).append(r)
+    return groups
+
+
+def _summary_table(records):
+    lines = ["## Spills per kernel, dtype, switches and arch", "",
+             "| kernel | dtype | switches | arch | configs | spill-free | max spill stores B | max regs "
+             "| tensor cores | compile s (sum) |", "|---|---|---|---|---:|---:|---:|---:|---|---:|"]
+    groups = _group(records, lambda r: (r["kernel"], r["dtype"], _switch_label(r["switch"]), r["arch"]))
+    for (kernel, dtype, sw, arch), rs in groups.items():
+        ok = [r for r in rs if r["status"] == "ok"]
+        clean = sum(1 for r in ok if not r["spill_stores"] and not r["spill_loads"])
+        worst = max((r["spill_stores"] or 0 for r in ok), default=None)
+        regs = max((r["registers"] or 0 for r in ok), default=None)
+        paths = "/".join(sorted({r["tensor_cores"] for r in ok})) or "—"
+        secs = sum(r.get("compile_s", 0) for r in ok)
+        errors = len(rs) - len(ok)
+        lines.append(f"| {kernel} | {dtype} | {sw} | {arch} | {len(rs)}{f' ({errors} errors)' if errors else ''} "
+                     f"| {clean} | {worst} | {regs} | {paths} | {secs:.1f} |")
+    return lines
+
+
+def _compile_cost_table(records):
+    lines = ["## Compile cost of a first call (the autotune space, per kernel, dtype, switches)", "",
+             "| kernel | arch | cases | mean s per config | max s | autotune space s (mean over dtype×switches) |",
+             "|---|---|---:|---:|---:|---:|"]
+    for (kernel, arch), rs in _group([r for r in records if r["status"] == "ok"],
+                                     lambda r: (r["kernel"], r["arch"])).items():
+        secs = [r["compile_s"] for r in rs]
+        spaces = _group(rs, lambda r: (r["dtype"], _switch_label(r["switch"])))
+        per_space = sum(sum(x["compile_s"] for x in v) for v in spaces.values()) / max(1, len(spaces))
+        lines.append(f"| {kernel} | {arch} | {len(rs)} | {sum(secs) / len(secs):.2f} | {max(secs):.2f} "
+                     f"| {per_space:.1f} |")
+    return lines
+
+
+def _case_table(records):
+    lines = ["## Every case", "", "| kernel | dtype | switches | config | arch | regs | spill st/ld B | stack B "
+             "| smem B | tensor cores | s |", "|---|---|---|---|---|---:|---:|---:|---:|---|---:|"]
+    for r in records:
+        if r["status"] != "ok":
+            lines.append(f"| {r['kernel']} | {r['dtype']} | {_switch_label(r['switch'])} | {r['config']} "
+                         f"| {r['arch']} | error: {r['reason'][:120]} | | | | | |")
+            continue
+        lines.append(f"| {r['kernel']} | {r['dtype']} | {_switch_label(r['switch'])} | {r['config']} | {r['arch']} "
+                     f"| {r['registers']} | {r['spill_stores']}/{r['spill_loads']} | {r['stack']} | {r['smem']} "
+                     f"| {r['tensor_cores']} | {r['compile_s']:.2f} |")
+    return lines
+
+
+def _worker(args):
+    rows = {r.name: r for r in (_fastcov_rows() + (_peer_rows() if args[1] else []))}
+    case = args[0]
+    case.row = rows[case.kernel]
+    return compile_case(case)
+
+
+def run(case_list, jobs: int = 1, log=None):
+    """Compile every case (``jobs`` processes), in order; yields records as they finish."""
+    if jobs <= 1:
+        for case in case_list:
+            rec = compile_case(case)
+            if log:
+                log(rec)
+            yield rec
+        return
+    import multiprocessing as mp
+
+    peers = any(not c.kernel.startswith(("linear_logprob_entropy", "covariance")) for c in case_list)
+    payload = []
+    for c in case_list:
+        payload.append((Case(c.kernel, c.dtype, c.switch, c.launch, c.arch, None), peers))
+    with mp.get_context("spawn").Pool(jobs) as pool:
+        for rec in pool.imap(_worker, payload):
+            if log:
+                log(rec)
+            yield rec
+
+
+def _log(rec: dict) -> None:
+    if rec["status"] == "ok":
+        print(f"{rec['kernel']:45s} {rec['dtype']:9s} {_switch_label(rec['switch']):24s} {rec['config']:22s} "
+              f"{rec['arch']:7s} regs {rec['registers']:3d} spill {rec['spill_stores']}/{rec['spill_loads']} "
+              f"{rec['tensor_cores']:7s} {rec['compile_s']:.2f}s", file=sys.stderr, flush=True)
+    else:
+        print(f"{rec['kernel']} {rec['dtype']} {rec['config']} {rec['arch']}: {rec['reason']}", file=sys.stderr,
+              flush=True)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.compile", description=__doc__.split("\n\n")[0])
+    p.add_argument("--archs", type=int, nargs="+", default=list(ARCHS), help="compute capabilities (80 90 100)")
+    p.add_argument("--kernels", nargs="+", help="substrings of kernel names to keep")
+    p.add_argument("--dtypes", nargs="+", help="torch dtype names to keep")
+    p.add_argument("--peers", action="store_true", help="also Cut Cross-Entropy's and Liger's Triton kernels")
+    p.add_argument("--no-fastcov", action="store_true", help="only the peers")
+    p.add_argument("--quick", action="store_true", help="one config per kernel and dtype, switches all on")
+    p.add_argument("--jobs", type=int, default=1, help="compile processes (the machine is shared: default 1)")
+    p.add_argument("--name", default="fastcov", help="results file stem under --out")
+    p.add_argument("--out", default=str(OUT))
+    args = p.parse_args(argv)
+    reason = cuda_backend_reason()
+    if reason:
+        print(f"error: {reason}", file=sys.stderr)
+        return 2
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="fastcov-compile-")  # a first call, every time
+    rows = ([] if args.no_fastcov else _fastcov_rows()) + (_peer_rows() if args.peers else [])
+    case_list = cases(rows, args.archs, args.dtypes, args.kernels, args.quick)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    jpath = out / f"{args.name}.jsonl"
+    command = "python -m bench.compile " + " ".join(argv if argv is not None else sys.argv[1:])
+    t0 = time.perf_counter()
+    records = []
+    with jpath.open("w") as f:
+        for rec in run(case_list, args.jobs, _log):
+            records.append(rec)
+            f.write(json.dumps(rec) + "\n")
+            f.flush()
+    jpath.with_suffix(".md").write_text(render_md(records, f"Compile report: {args.name}", command.strip()))
+    bad = [r for r in records if r["status"] != "ok"]
+    print(f"{len(records)} cases in {time.perf_counter() - t0:.0f} s, {len(bad)} errors; wrote {jpath} and .md",
+          file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
