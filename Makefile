@@ -18,9 +18,11 @@ $(STAMP): $(PY) pyproject.toml requirements/dev.txt
 test: $(STAMP)
 	$(PY) -m pytest -q -ra
 
-# ruff (configured in pyproject.toml); CI runs it before the tests.
+# ruff and mypy (both configured in pyproject.toml; tests/typecheck.py); CI runs them before the tests.
+# The import-cycle and room checks of docs/design.md §8 are tests (tests/test_architecture.py).
 lint: $(STAMP)
 	$(PY) -m ruff check .
+	$(PY) tests/typecheck.py
 
 # The development loop: everything but the tests marked slow (multi-process and end-to-end runs).
 test-fast: $(STAMP)

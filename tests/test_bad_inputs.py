@@ -160,7 +160,11 @@ CLI = [
     Case("model-path-file", lambda t: (t / "m.bin").write_text("x") and ["train", TINY, "model.arch=null",
                                       f"model.path={t / 'm.bin'}", f"trainer.run_dir={t / 'run'}"], r"is a file"),
     # --- data files
-    Case("data-missing", lambda t: _data_run(t, t / "missing.parquet"), r"data file .*missing\.parquet.* does not exist"),
+    Case("data-missing", lambda t: _data_run(t, t / "missing.parquet"),
+         r"data\.train_files: data file .*missing\.parquet.* does not exist; fix the path in data\.train_files"),
+    Case("val-data-missing", lambda t: _data_run(t, _parquet(t / "ok.parquet", [{"prompt": "hi", "reward_model": {"ground_truth": "1"}}]),
+                                                 f"data.val_files=[{t / 'nope.parquet'}]"),
+         r"data\.val_files: data file .*nope\.parquet.* does not exist"),
     Case("data-not-parquet", lambda t: (t / "x.parquet").write_text("hello") and _data_run(t, t / "x.parquet"),
          r"x\.parquet: not a readable parquet file"),
     Case("data-missing-column", lambda t: _data_run(t, _parquet(t / "c.parquet", [{"prompt": "hi", "answer": "1"}])),

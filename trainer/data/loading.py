@@ -196,7 +196,7 @@ class PromptSampler:
         return order
 
     def next(self, count: int) -> list[int]:
-        out = []
+        out: list[int] = []
         while len(out) < count:
             if self.pos >= self.n:
                 self.epoch += 1
@@ -241,14 +241,22 @@ def prepare_data(cfg, tokenizer, run_dir: Path, rank: int = 0):
     return train_files, val_files
 
 
+def _load_option(key: str, files: list[str], tokenizer, d, exclude: set[str] | None = None):
+    """``load_examples`` of the files a config option lists; a missing file names that option."""
+    try:
+        return load_examples(files, tokenizer, d.max_prompt_len, d.chat_template, exclude=exclude)
+    except DataFileNotFound as exc:
+        raise DataFileNotFound(f"{key}: {exc}; fix the path in {key} (in the config, or {key}=... on the "
+                               "command line)") from None
+
+
 def load_train_val(cfg, tokenizer, train_files: list[str], val_files: list[str]):
     d = cfg.data
     if val_files:
-        val, vstats = load_examples(val_files, tokenizer, d.max_prompt_len, d.chat_template)
-        train, tstats = load_examples(train_files, tokenizer, d.max_prompt_len, d.chat_template,
-                                      exclude={e.key for e in val})
+        val, vstats = _load_option("data.val_files", val_files, tokenizer, d)
+        train, tstats = _load_option("data.train_files", train_files, tokenizer, d, exclude={e.key for e in val})
     else:
-        allx, tstats = load_examples(train_files, tokenizer, d.max_prompt_len, d.chat_template)
+        allx, tstats = _load_option("data.train_files", train_files, tokenizer, d)
         train, val = split_train_val(allx, d.val_fraction, cfg.trainer.seed)
         vstats = {}
     if d.max_val_prompts and len(val) > d.max_val_prompts:

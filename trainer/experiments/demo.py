@@ -123,7 +123,7 @@ def evaluate_harder(run_dir: Path, start_model: Path, data_file: Path, seed: int
 
     import torch
 
-    from fastcov.trainer.commands.eval import evaluate_model
+    from fastcov.trainer.evaluation import evaluate_model
 
     def numbers(model: Path) -> dict:
         res = evaluate_model(str(model), [str(data_file)], k=HARDER_K, temperature=HARDER_TEMPERATURE,

@@ -28,7 +28,8 @@ def _train_in_worker(cfg, label: str, tag: str = "study"):
 def train_runs(runs, cfgs, multi: bool, jobs: int, train, tag: str = "study"):
     """Train every (arm, seed); ``jobs`` > 1 runs that many at once, each in its own process (each run's
     numbers do not depend on it: a run's threads are ``trainer.threads``). Returns (run dirs, seconds per arm)."""
-    run_dirs, timings = {}, {}
+    run_dirs: dict = {}
+    timings: dict[str, float] = {}
 
     def label(a, sd):
         cfg = cfgs[(a, sd)]

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fastcov.trainer.runtime.distributed import all_reduce_
+
 IGNORE = -100
 
 
@@ -86,7 +88,10 @@ class MicroBatch:
 
     def _token_index(self, device: torch.device):
         """int64 [n] each: (row, column) in this micro-batch and (sequence, token) in the [S, T] layout."""
-        rows, cols, seqs, toks = [], [], [], []
+        rows: list[int] = []
+        cols: list[int] = []
+        seqs: list[int] = []
+        toks: list[int] = []
         for si, (row, start, n) in zip(self.seq_index, self.spans):
             rows += [row] * n
             cols += range(start, start + n)
@@ -106,12 +111,6 @@ class MicroBatch:
         rows, cols, seqs, toks = self._token_index(per_seq.device)
         out[rows, cols] = per_seq[seqs, toks]
         return out
-
-
-def collate(seqs: list[Sequence], index: list[int], pad_id: int, device: torch.device,
-            weight: float = 1.0) -> MicroBatch:
-    """One sequence per row (padded layout); ``index[i]`` is recorded as the index of ``seqs[i]``."""
-    return collate_rows(seqs, [[i] for i in range(len(seqs))], index, pad_id, device, weight, packed=False)
 
 
 def collate_rows(seqs: list[Sequence], rows: list[list[int]], index: list[int], pad_id: int,
@@ -221,8 +220,6 @@ def micro_batches(seqs: list[Sequence], budget: int, pad_id: int, device: torch.
     ``row_capacity=budget``), then consecutive rows while rows × longest row ≤ ``budget``. A single
     sequence longer than ``budget`` still gets a micro-batch of its own.
     """
-    import torch.distributed as dist
-
     if budget < 1:
         raise ValueError(f"micro_token_budget must be >= 1, got {budget}")
     lengths = [len(s) for s in seqs]
@@ -235,8 +232,7 @@ def micro_batches(seqs: list[Sequence], budget: int, pad_id: int, device: torch.
         rows = [[i] for i in range(len(seqs))]
     chunks = [[rows[r] for r in c] for c in pack([sum(lengths[i] for i in row) for row in rows], budget)]
     count = torch.tensor([len(chunks)])
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    all_reduce_(count, "max")
     chunks = equalize(chunks, max(1, int(count.item())))
     out = []
     for c in chunks:

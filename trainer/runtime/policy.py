@@ -14,6 +14,8 @@ from contextlib import contextmanager
 
 import torch
 
+from fastcov.trainer.runtime.distributed import all_reduce_
+
 
 def lr_at(step: int, ocfg, max_steps: int) -> float:
     """Learning rate for optimizer step ``step`` (0-based) under OptimConfig ``ocfg``."""
@@ -97,8 +99,6 @@ class DeepSpeedPolicy:
         ``poisoned``: a non-finite loss was seen on some rank (already agreed across ranks).
         Returns (applied, grad_norm).
         """
-        import torch.distributed as dist
-
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         self.steps += 1
@@ -108,7 +108,7 @@ class DeepSpeedPolicy:
             local = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
             bad = torch.tensor([0.0 if (not poisoned and bool(torch.isfinite(local))) else 1.0],
                                device=local.device)
-            dist.all_reduce(bad)
+            all_reduce_(bad)
             if bad.item() > 0:
                 self.engine.zero_grad()
                 return False, None

@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 
 from fastcov import token_advantages as ta
+from fastcov.trainer.runtime.distributed import all_reduce_
+from fastcov.trainer.runtime.precision import param_dtype
 
 
 def _pad(rows: list[list[float]], width: int, device) -> torch.Tensor:
@@ -27,14 +29,6 @@ def _pad(rows: list[list[float]], width: int, device) -> torch.Tensor:
         if r:
             out[i, : len(r)] = torch.tensor(r, dtype=torch.float32, device=device)
     return out
-
-
-def _all_sum(t: torch.Tensor) -> torch.Tensor:
-    import torch.distributed as dist
-
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t)
-    return t
 
 
 def prime_keep(rewards: torch.Tensor, n: int, kind: str, low: float, high: float) -> torch.Tensor:
@@ -53,9 +47,8 @@ class TokenAdvantages:
         self.cfg = cfg
         a = cfg.algo
         self.prime = a.adv_estimator == "prime"
-        on_gpu = next(lm.parameters()).device.type == "cuda"
-        # the reference only reads: bf16 on a GPU (unless model.dtype is fp32); the PRM trains in fp32
-        self.ref = FrozenModel(lm, dtype=torch.bfloat16 if on_gpu and cfg.model.dtype != "fp32" else None)
+        # the reference only reads: the policy's dtype rule (bf16 on a GPU); the PRM trains in fp32
+        self.ref = FrozenModel(lm, dtype=param_dtype(cfg.model, next(lm.parameters()).device))
         self.prm = (ImplicitPRM(lm, a.prime.beta, a.prime.lr, cfg.optim.grad_clip) if self.prime else None)
 
     def apply(self, seqs, pad_id: int, device: torch.device, batch_kw: dict) -> dict[str, float]:
@@ -70,7 +63,7 @@ class TokenAdvantages:
         outcome = torch.tensor([s.reward for s in seqs], dtype=torch.float32, device=device)
         ref_t = _pad(ref, width, device)
         metrics: dict[str, float] = {}
-        if self.prime:
+        if self.prm is not None:
             p = a.prime
             labels = [float(s.reward > 0) for s in seqs]  # binary 1/0 or pm1 ±1: correct = positive
             if p.update_before_reward:
@@ -81,15 +74,15 @@ class TokenAdvantages:
                 metrics.update(self.prm.update(seqs, labels, ref, pad_id, device, batch_kw, temp))
             returns = (ta.prime_returns(outcome, process, mask, cfg.rollout.n, p.outcome_coef, p.process_coef)
                        if seqs else torch.zeros_like(mask, dtype=torch.float64))
-            tok = _all_sum(torch.stack([torch.where(mask, process, 0.0).sum().double(),
+            tok = all_reduce_(torch.stack([torch.where(mask, process, 0.0).sum().double(),
                                         mask.sum().double()]))
             metrics["process_reward_mean"] = float(tok[0] / tok[1].clamp(min=1))
         else:
             old_t = _pad([s.old_logprob for s in seqs], width, device)
             returns, kl = ta.reinforce_pp_returns(outcome, old_t, ref_t, mask, a.kl_coef)
-            tok = _all_sum(torch.stack([kl.sum(), mask.sum().double()]))
+            tok = all_reduce_(torch.stack([kl.sum(), mask.sum().double()]))
             metrics["kl_ref"] = float(tok[0] / tok[1].clamp(min=1))
-        stats = _all_sum(ta.whiten_stats(returns, mask))
+        stats = all_reduce_(ta.whiten_stats(returns, mask))
         adv = ta.whiten(returns, mask, stats)
         for i, s in enumerate(seqs):
             s.token_advantages = adv[i, : len(s.response)].tolist()

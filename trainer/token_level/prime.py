@@ -21,14 +21,7 @@ from pathlib import Path
 import torch
 
 from fastcov.token_advantages import prime_ce_loss
-
-
-def _all_reduce_(t: torch.Tensor) -> torch.Tensor:
-    import torch.distributed as dist
-
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t)
-    return t
+from fastcov.trainer.runtime.distributed import all_reduce_
 
 
 class FrozenModel:
@@ -40,7 +33,7 @@ class FrozenModel:
         lm = copy.deepcopy(lm)
         if dtype is not None:
             lm = lm.to(dtype)
-        lm.config.use_cache = False
+        lm.config.use_cache = False  # type: ignore[union-attr]  # nn.Module's __getattr__ types it as Tensor
         for p in lm.parameters():
             p.requires_grad_(trainable)
         self.model = PolicyModel(lm)
@@ -83,7 +76,7 @@ class ImplicitPRM(FrozenModel):
 
         self.model.train()
         self.optimizer.zero_grad(set_to_none=False)
-        total = float(_all_reduce_(torch.tensor([float(len(seqs))], dtype=torch.float64))[0])
+        total = float(all_reduce_(torch.tensor([float(len(seqs))], dtype=torch.float64))[0])
         if total == 0:  # every group filtered out on every rank: nothing to learn from (same on all ranks)
             return {"prm_loss": 0.0, "prm_acc": 0.0}
         loss_sum = correct = 0.0
@@ -107,11 +100,11 @@ class ImplicitPRM(FrozenModel):
         for p in self.params:  # every rank reduces every tensor, also one whose rollouts were all filtered out
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            _all_reduce_(p.grad)
+            all_reduce_(p.grad)
         if self.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
         self.optimizer.step()
-        stats = _all_reduce_(torch.tensor([loss_sum, correct], dtype=torch.float64))
+        stats = all_reduce_(torch.tensor([loss_sum, correct], dtype=torch.float64))
         return {"prm_loss": float(stats[0]) / max(total, 1.0), "prm_acc": float(stats[1]) / max(total, 1.0)}
 
     # ------------------------------------------------------------------ checkpoint
