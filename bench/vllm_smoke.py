@@ -101,7 +101,7 @@ def policy_logprobs(lm, prompts, responses):
     """The policy's fused log-probs (fp32) of each response token given its prompt: [[float]]."""
     import torch
 
-    from fastcov.trainer.model import PolicyModel
+    from fastcov.trainer.runtime.model import PolicyModel
 
     dev = next(lm.parameters()).device
     seqs = [list(p) + list(r) for p, r in zip(prompts, responses)]

@@ -66,7 +66,7 @@ class _Job:
     """One benchmark process: the policy engine, the rollout engine it syncs into, and the state its
     ``sync`` / ``pack`` steps share."""
 
-    engine: Any  # fastcov.trainer.engine.PolicyEngine
+    engine: Any  # fastcov.trainer.runtime.policy.PolicyEngine
     rollout: Any  # the HF rollout engine with its own copy of the weights (per node with several processes)
     n_params: int
     trim: bool = False  # malloc_trim after each bucket (set for the peak-memory run)
@@ -115,9 +115,10 @@ def _build(spec: dict, rank: int, world: int) -> _Job:
     """The policy engine and the HF rollout engine, built as the trainer builds them."""
     import torch
 
-    from fastcov.trainer.engine import PolicyEngine, init_distributed
-    from fastcov.trainer.model import PolicyModel, build_model, load_tokenizer
     from fastcov.trainer.rollout import make_rollout_engine
+    from fastcov.trainer.runtime.distributed import init_distributed
+    from fastcov.trainer.runtime.model import PolicyModel, build_model, load_tokenizer
+    from fastcov.trainer.runtime.policy import PolicyEngine
 
     cpu = torch.device("cpu")
     cfg = _config(MODELS[spec["model"]], spec["zero"], spec["run_dir"])

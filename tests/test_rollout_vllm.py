@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from fastcov.trainer import rollout_vllm as rv
-from fastcov.trainer.rollout import SamplingParams, finish_rollouts, split_evenly
+from fastcov.trainer.rollout import SamplingParams, finish_rollouts, split_evenly, vllm_colocated, vllm_factory
 from fastcov.trainer.runtime.weight_buckets import iter_buckets
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,10 +30,26 @@ FAKE_OF = {
 }
 
 
-def _fake_vllm(monkeypatch, version):
+class FakePlatform:
+    """vLLM's ``current_platform``: what the colocated factory asks of it."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+
+    def is_cpu(self) -> bool:
+        return self.kind == "cpu"
+
+    def is_sleep_mode_available(self) -> bool:
+        return self.kind == "cuda"
+
+
+def _fake_vllm(monkeypatch, version, platform="cuda"):
     mod = types.ModuleType("vllm")
     mod.__version__ = version
     monkeypatch.setitem(sys.modules, "vllm", mod)
+    plat = types.ModuleType("vllm.platforms")
+    plat.current_platform = FakePlatform(platform)
+    monkeypatch.setitem(sys.modules, "vllm.platforms", plat)
     return mod
 
 
@@ -86,7 +102,8 @@ def test_colocated_factory_refuses_cpu_and_bad_tp(monkeypatch):
     _fake_vllm(monkeypatch, "0.26.0")
     cfg = load_config(ROOT / "configs" / "tiny.yaml", ["rollout.engine=vllm"])
     tok = NS(eos_token_id=2, pad_token_id=0)
-    with pytest.raises(ValueError, match="rollout.vllm_mode: colocated vLLM needs CUDA"):
+    with pytest.raises(ValueError, match="rollout.vllm_mode: colocated vLLM needs CUDA training ranks, or CPU "
+                                         "ranks with vLLM's CPU build .*platform FakePlatform"):
         rv.make_vllm_engine(cfg, None, tok, device=torch.device("cpu"))
     cfg.rollout.vllm_tensor_parallel_size = 3
     with pytest.raises(ValueError, match="rollout.vllm_tensor_parallel_size: 3 does not divide the 4"):
@@ -112,7 +129,7 @@ def test_serve_command_runs_vllms_own_cli():
     assert cmd[cmd.index("--logprobs-mode") + 1] == "raw_logprobs" and env == {"VLLM_SERVER_DEV_MODE": "1"}
     cmd, _ = rv.serve_command(["/m", "--logprobs-mode=processed_logprobs"], python="py")
     assert "--logprobs-mode" not in cmd  # the user's choice wins
-    assert rv._main([]) == 2
+    assert rv.main([]) == 2
 
 
 # ----------------------------------------------------------------------------------------- flat buckets
@@ -539,9 +556,9 @@ def test_server_engine_over_real_http():
         server.server_close()
 
 
-def _fake_vllm_tree(monkeypatch, version, registry, calls):
+def _fake_vllm_tree(monkeypatch, version, registry, calls, platform="cuda"):
     """A fake ``vllm`` package with just what make_vllm_engine and the fastcov_local backend import."""
-    vllm = _fake_vllm(monkeypatch, version)
+    vllm = _fake_vllm(monkeypatch, version, platform)
 
     class LLM(FakeLLM):
         def __init__(self, **kwargs):
@@ -593,7 +610,7 @@ def test_make_vllm_engine_builds_the_colocated_engine(monkeypatch, tmp_path, zer
 
     registry, calls = {}, []
     _fake_vllm_tree(monkeypatch, "0.30.0", registry, calls)
-    monkeypatch.setattr(rv, "_LOCAL_ENGINE_CLS", None)
+    monkeypatch.setattr(vllm_colocated, "_LOCAL_ENGINE_CLS", None)
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
     cfg = load_config(ROOT / "configs" / "tiny.yaml", ["rollout.engine=vllm", f"trainer.run_dir={tmp_path}",
                                                        f"trainer.zero_stage={zero}"])
@@ -622,3 +639,41 @@ def test_make_vllm_engine_builds_the_colocated_engine(monkeypatch, tmp_path, zer
                                                                                 "model-config")]
     with pytest.raises(NotImplementedError):
         backend.trainer_send_weights(iter([]), {})
+
+
+def test_colocated_on_vllms_cpu_platform_stays_awake_and_says_so_once(monkeypatch, tmp_path, capsys):
+    """vLLM's CPU build: a colocated engine on CPU ranks, no sleep mode (one line in the log, not an error),
+    the KV cache size vLLM's CPU platform reads, and the policy's derived buffers never sent."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from fastcov.trainer.config import load_config
+
+    registry, calls = {}, []
+    _fake_vllm_tree(monkeypatch, "0.32.0", registry, calls, platform="cpu")
+    monkeypatch.setattr(vllm_colocated, "_LOCAL_ENGINE_CLS", None)
+    monkeypatch.setattr(vllm_factory, "_SAID", set())
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", ["rollout.engine=vllm", f"trainer.run_dir={tmp_path}"])
+    lm = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1))
+    for _ in range(2):
+        eng = rv.make_vllm_engine(cfg, lm, NS(eos_token_id=2), device=torch.device("cpu"))
+    assert eng.sleep_level == 0 and eng.refresh is None and eng.llm.events == []
+    assert calls[0][1]["enable_sleep_mode"] is False and os.environ["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert capsys.readouterr().err.count("no sleep mode") == 1
+    assert eng.skip == {n for n, _ in lm.named_buffers()} and "model.rotary_emb.inv_freq" in eng.skip
+
+
+def test_derived_buffers_are_the_non_persistent_ones_and_are_never_sent():
+    """A checkpoint (state_dict) holds parameters and persistent buffers; vLLM's loader takes exactly that."""
+    m = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    m[0].register_buffer("derived", torch.ones(2), persistent=False)
+    m[1].register_buffer("gone", None, persistent=False)
+    skip = rv.derived_buffer_names(m)
+    assert skip == {"0.derived"}
+    assert skip.isdisjoint(m.state_dict()) and {"1.running_mean", "1.running_var"} <= set(m.state_dict())
+    named = list(m.named_parameters()) + list(m.named_buffers())
+    chunks = list(rv.iter_chunks(iter_buckets(named, 1 << 20), torch.bfloat16, 1 << 20, skip=skip))
+    sent = [n for c in chunks for n in c.names]
+    assert sent == ["0.weight", "0.bias", "1.weight", "1.bias", "1.running_mean", "1.running_var"]  # no int counter
+    assert list(rv.iter_chunks(iter_buckets([("0.derived", m[0].derived)], 0), torch.bfloat16, 8, skip=skip)) == []

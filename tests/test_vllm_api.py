@@ -1,4 +1,4 @@
-"""API drift: every vLLM name the vLLM engine (trainer/rollout_vllm.py) and its CPU-test fakes use, checked
+"""API drift: every vLLM name the vLLM engine (trainer/rollout/vllm_*.py) and its CPU-test fakes use, checked
 against the real source of each supported vLLM release, parsed with ``ast`` (vLLM is never imported: it
 cannot be installed where fastcov is developed).
 
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ENGINE = ROOT / "trainer" / "rollout_vllm.py"
+ENGINE_DIR = ROOT / "trainer" / "rollout"  # the vLLM engine: vllm_*.py (trainer/rollout_vllm.py re-exports it)
 SMOKE = ROOT / "bench" / "vllm_smoke.py"  # the GPU check: its direct vLLM calls are checked too
 FAKES = ROOT / "tests" / "test_rollout_vllm.py"
 SRC_DIR = Path(os.environ.get("FASTCOV_VLLM_SRC", ROOT / ".cache" / "vllm-src"))
@@ -514,6 +514,9 @@ def check_server(idx: SourceIndex) -> list[str]:
         p.append(f"{mod}.main: not found")
     if idx.resolve("vllm.entrypoints.cli.serve") is None:
         p.append("vllm.entrypoints.cli.serve: not found")
+    cmd2, _ = rv.serve_command(["m"], python="python", backend=rv.GLOO_BACKEND, cli=False)
+    if idx.resolve(cmd2[cmd2.index("-m") + 1]) is None:  # the server module a build not named `vllm` runs
+        p.append(f"{cmd2[cmd2.index('-m') + 1]}: not found")
     ea = _class(idx, "vllm.engine.arg_utils.EngineArgs")
     fields = idx.fields(ea) if ea else {}
     for flag in (a for a in cmd if a.startswith("--") and a != "--model"):
@@ -625,8 +628,15 @@ def check_fakes(idx: SourceIndex, source: str) -> list[str]:
     return p
 
 
+def engine_source() -> str:
+    """The vLLM engine's modules as one source text (each file parses alone; the checks walk the whole)."""
+    files = sorted(ENGINE_DIR.glob("vllm_*.py"))
+    assert files, f"no vllm_*.py under {ENGINE_DIR}"
+    return "\n".join(p.read_text() for p in files)
+
+
 def check_all(idx: SourceIndex, version: str) -> list[str]:
-    src = ENGINE.read_text()
+    src = engine_source()
     return (check_engine_calls(idx, src) + check_engine_calls(idx, SMOKE.read_text())
             + check_builders(idx, version) + check_server(idx)
             + check_local_backend(idx, src) + check_outputs(idx) + check_fakes(idx, FAKES.read_text()))
@@ -666,7 +676,7 @@ def test_engine_matches_vllm_source(version):
 def test_every_call_into_vllm_is_seen(version):
     """The scan really finds the engine's vLLM calls (a check that sees nothing would pass anything)."""
     idx = SourceIndex(_src(version))
-    tree = ast.parse(ENGINE.read_text())
+    tree = ast.parse(engine_source())
     imports = _vllm_imports(tree)
     seen = {what for n in ast.walk(tree) if isinstance(n, ast.Call)
             for what, _ in [_call_target(idx, n.func, imports) or (None, None)] if what}

@@ -215,9 +215,10 @@ def _zero3_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
     from fastcov.trainer.config import load_config
-    from fastcov.trainer.engine import PolicyEngine, init_distributed
-    from fastcov.trainer.model import PolicyModel, build_model, load_tokenizer
     from fastcov.trainer.rollout import make_rollout_engine
+    from fastcov.trainer.runtime.distributed import init_distributed
+    from fastcov.trainer.runtime.model import PolicyModel, build_model, load_tokenizer
+    from fastcov.trainer.runtime.policy import PolicyEngine
 
     cfg = load_config(ROOT / "configs" / "tiny.yaml", [
         f"trainer.run_dir={out_dir}/run", "trainer.zero_stage=3", "trainer.device=cpu",

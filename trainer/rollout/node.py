@@ -1,0 +1,122 @@
+"""The HF engine as the trainer builds it (registered as "hf"): the policy's own module (ZeRO 0-2), or an
+empty copy filled by the weight sync (ZeRO-3) — one per rank, or one per node held by the node's first rank,
+which samples for every rank of the node (``NodeRolloutEngine``).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fastcov.trainer.rollout.base import ROLLOUT_ENGINES, RolloutBatch, RolloutEngine, SamplingParams
+from fastcov.trainer.rollout.hf import HFRolloutEngine
+from fastcov.trainer.runtime.precision import param_dtype
+from fastcov.trainer.runtime.weight_buckets import drain
+
+
+def node_group(rank: int, world: int):
+    """(process group, ranks) of the ranks on this node, from every rank's host name (or the
+    ``FASTCOV_NODE`` environment variable where set). Every rank must call it: it creates one
+    group per node, in the same order everywhere."""
+    hosts: list = [None] * world
+    dist.all_gather_object(hosts, os.environ.get("FASTCOV_NODE") or socket.gethostname())
+    mine = None
+    for host in dict.fromkeys(hosts):
+        ranks = [r for r, h in enumerate(hosts) if h == host]
+        group = dist.new_group(ranks)
+        if hosts[rank] == host:
+            mine = (group, ranks)
+    return mine
+
+
+class NodeRolloutEngine(RolloutEngine):
+    """One HF rollout copy per node: the node's first rank holds ``engine`` and samples for every rank
+    of the node; the others hold nothing (``engine`` None).
+
+    ``generate`` is a collective over the node's ranks: each rank passes its own prompts (possibly
+    none), they are gathered to the node's first rank, sampled there in one call (one generator: the
+    first rank's) and each rank gets back the responses to its own prompts, with that call's
+    ``last_stats``. Every rank of a node must call ``generate`` the same number of times.
+    ``update_weights``: every rank walks the iterable to its end (a ZeRO-3 producer gathers on all
+    ranks), only the holder copies.
+    """
+
+    def __init__(self, engine: HFRolloutEngine | None, group, ranks: list[int], device: torch.device):
+        self.engine = engine
+        self.group = group
+        self.ranks = list(ranks)
+        self.device = device
+        self.shares_policy = False
+        self.last_stats: dict[str, float] = {}
+
+    @property
+    def holds_copy(self) -> bool:
+        return self.engine is not None
+
+    def update_weights(self, named_tensors: Iterable) -> None:
+        if self.engine is not None:
+            self.engine.update_weights(named_tensors)
+        else:
+            drain(named_tensors)
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams,
+                 generator: torch.Generator | None = None) -> RolloutBatch:
+        leader = self.ranks[0]
+        gathered: list | None = [None] * len(self.ranks) if self.engine is not None else None
+        dist.gather_object([list(map(int, p)) for p in prompts], gathered, dst=leader, group=self.group)
+        pieces: list | None = None
+        if self.engine is not None:
+            flat = [p for part in gathered for p in part]
+            out = self.engine.generate(flat, sampling, generator)
+            pieces, start = [], 0
+            for part in gathered:
+                end = start + len(part)
+                pieces.append((out.token_ids[start:end], out.logprobs[start:end], dict(self.engine.last_stats)))
+                start = end
+        mine: list = [None]
+        dist.scatter_object_list(mine, pieces, src=leader, group=self.group)
+        token_ids, logprobs, self.last_stats = mine[0]
+        return RolloutBatch(token_ids, logprobs)
+
+
+def rollout_copy(config, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """An empty causal LM of ``config`` (no random init, no copy of anyone's weights) on ``device`` in
+    ``dtype``; its parameters and buffers are filled by the first ``update_weights``."""
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(config)
+    config.use_cache = True
+    with torch.device("meta"):  # build_model unsets transformers' ZeRO-3 switch, so this is a plain module
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model = model.to_empty(device=device)
+    model.tie_weights()
+    return model
+
+
+@ROLLOUT_ENGINES.register("hf")
+def make_hf_engine(cfg, model: nn.Module, tokenizer, *, device: torch.device, rank: int = 0, world: int = 1,
+                   zero_stage: int = 0) -> RolloutEngine:
+    """With ZeRO 0-2 the HF engine samples from the policy's module itself (no copy); with ZeRO-3, whose
+    parameters are partitioned, from an empty copy built from its config (``param_dtype``: bf16 on a GPU
+    unless ``model.dtype: fp32``) and filled by the weight sync: one per node, held by the node's first
+    rank (``rollout.hf_copies: node``, ``NodeRolloutEngine``), or one per rank (``rank``)."""
+    r = cfg.rollout
+    eos_ids = [tokenizer.eos_token_id]
+    if zero_stage < 3:
+        return HFRolloutEngine(model, eos_ids, tokenizer.pad_token_id, r.batch_size, r.token_budget,
+                               shares_policy=True)
+
+    def own_copy() -> HFRolloutEngine:
+        lm = rollout_copy(model.config, device, param_dtype(cfg.model, device))
+        return HFRolloutEngine(lm, eos_ids, tokenizer.pad_token_id, r.batch_size, r.token_budget)
+
+    if r.hf_copies == "rank" or world == 1:
+        return own_copy()
+    group, ranks = node_group(rank, world)
+    return NodeRolloutEngine(own_copy() if rank == ranks[0] else None, group, ranks, device)
