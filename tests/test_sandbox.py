@@ -92,6 +92,31 @@ def test_writing_outside_the_work_dir_fails(box, tmp_path):
     assert not Path(res.workdir).exists()
 
 
+def test_a_program_reads_nothing_but_the_interpreter_and_itself(box, tmp_path):
+    """A code answer must not read its run's dataset (the tests' expected outputs), the project, other runs
+    under /tmp, or /etc; the interpreter still starts and imports its standard library."""
+    if not capabilities().get("restrict_reads"):
+        pytest.skip("this kernel has no Landlock: the sandbox warns that reads are open")
+    data = tmp_path / "runs" / "demo" / "data"
+    data.mkdir(parents=True)
+    (data / "train.parquet").write_bytes(b"PAR1 expected outputs")
+    os.chmod(tmp_path, 0o755)
+    for d in (tmp_path / "runs", tmp_path / "runs" / "demo", data):
+        os.chmod(d, 0o755)
+    os.chmod(data / "train.parquet", 0o644)  # world-readable: only the sandbox's own rule can refuse it
+    secrets = [data / "train.parquet", data, Path(__file__).resolve().parent.parent / "README.md", "/tmp",
+               "/etc/passwd"]
+    code = ("import os, json, re, fractions, decimal, collections, itertools, heapq, statistics\n"
+            "open('mine.txt', 'w').write('x')\nprint('own', open('mine.txt').read())\n"
+            f"for p in {[str(p) for p in secrets]!r}:\n"
+            "    try:\n        os.listdir(p) if os.path.isdir(p) else open(p, 'rb').read()\n        print('READ', p)\n"
+            "    except OSError as exc:\n        print('denied', type(exc).__name__)\n")
+    res = box.run_python(code)
+    assert res.status == "ok", res
+    assert "own x" in res.stdout
+    assert "READ" not in res.stdout and res.stdout.count("denied PermissionError") == len(secrets), res.stdout
+
+
 def test_parent_environment_is_not_visible(box, monkeypatch):
     monkeypatch.setenv("FASTCOV_TEST_SECRET", "s3cr3t-token-91")
     code = ("import os, glob\nprint(' '.join(sorted(os.environ)))\nprint(repr(dict(os.environ)))\n"

@@ -61,9 +61,14 @@ class PathBeneath(ctypes.Structure):
     _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
 
 
-def landlock(workdir, abi):
-    """Writes only beneath ``workdir`` (and to /dev/null); with ABI >= 4 no TCP bind/connect; with ABI >= 6
-    no signals or abstract unix sockets outside the sandbox. /proc/<pid>/environ of processes outside the
+READ_FS = (1 << 0) | (1 << 2) | (1 << 3)  # EXECUTE, READ_FILE, READ_DIR
+FILE_RIGHTS = (1 << 0) | (1 << 1) | (1 << 2) | (1 << 14)  # EXECUTE, WRITE_FILE, READ_FILE, TRUNCATE
+
+
+def landlock(workdir, abi, read_paths=None):
+    """Writes only beneath ``workdir`` (and to /dev/null); with ``read_paths`` (a list), reads and execution
+    only beneath those paths and ``workdir`` as well; with ABI >= 4 no TCP bind/connect; with ABI >= 6 no
+    signals or abstract unix sockets outside the sandbox. /proc/<pid>/environ of processes outside the
     sandbox's domain is unreadable (Landlock's ptrace restriction)."""
     write_fs = 0
     for bit in (1, 4, 5, 6, 7, 8, 9, 10, 11, 12):  # WRITE_FILE, REMOVE_*, MAKE_*
@@ -72,7 +77,8 @@ def landlock(workdir, abi):
         write_fs |= 1 << 13  # REFER
     if abi >= 3:
         write_fs |= 1 << 14  # TRUNCATE
-    fields = [ctypes.c_uint64(write_fs)]
+    reads = read_paths is not None
+    fields = [ctypes.c_uint64(write_fs | (READ_FS if reads else 0))]
     if abi >= 4:
         fields.append(ctypes.c_uint64((1 << 0) | (1 << 1)))  # BIND_TCP | CONNECT_TCP, no rule: denied
     if abi >= 6:
@@ -83,11 +89,15 @@ def landlock(workdir, abi):
     if fd < 0:
         fail(f"landlock_create_ruleset failed: {os.strerror(ctypes.get_errno())}")
     file_rights = (1 << 1) | ((1 << 14) if abi >= 3 else 0)  # WRITE_FILE (+ TRUNCATE) on /dev/null
-    for path, rights in ((workdir, write_fs), ("/dev/null", file_rights)):
+    rules = [(workdir, write_fs | (READ_FS if reads else 0)), ("/dev/null", file_rights | (1 << 2 if reads else 0))]
+    rules += [(p, READ_FS) for p in read_paths or [] if os.path.exists(p)]
+    for path, rights in rules:
         try:
             pfd = os.open(path, os.O_PATH | os.O_CLOEXEC)
         except OSError as exc:
             fail(f"landlock: cannot open {path}: {exc}")
+        if not os.path.isdir(path):
+            rights &= FILE_RIGHTS  # Landlock refuses directory rights on a file
         rule = PathBeneath(rights, pfd)
         if libc.syscall(SYS_LANDLOCK_ADD_RULE, ctypes.c_int(fd), ctypes.c_int(1), ctypes.byref(rule),
                         ctypes.c_uint32(0)) != 0:
@@ -122,7 +132,7 @@ def exec_program(spec):
         fail(f"setrlimit failed: {exc}")
     abi = landlock_abi() if spec["landlock"] else 0
     if abi:
-        landlock(workdir, abi)
+        landlock(workdir, abi, spec.get("read_paths"))
     uid = spec["uid"]
     if uid is not None:
         try:

@@ -13,7 +13,9 @@ What confines the program (each piece is tested with a hostile program in tests/
 * an empty network namespace (only a loopback device, down) and a pid namespace whose init takes every
   leftover process with it; created directly as root, inside a user namespace otherwise. When the OS
   refuses namespaces the program runs without them and a one-time warning says so;
-* Landlock (Linux ≥ 5.13): writes only inside the program's temporary directory; TCP bind/connect denied
+* Landlock (Linux ≥ 5.13): reads and execution only of the interpreter's own files, the shared libraries
+  and the program's temporary directory (not the project, the run's data, /tmp or /etc: a code answer
+  cannot read its tests' expected outputs); writes only inside that directory; TCP bind/connect denied
   (Landlock ABI ≥ 4, a second network barrier); no signals to, and no /proc/<pid>/environ of, processes
   outside the sandbox; a one-time warning when the kernel has no Landlock;
 * when the trainer runs as root, the program runs as ``nobody`` (RLIMIT_NPROC does not bind root),
@@ -112,6 +114,18 @@ def _python_for(drop_uid: bool) -> str | None:
     return candidates[0]
 
 
+# Beside the interpreter's own tree (its prefix's lib/), what any dynamically linked program reads to start.
+SYSTEM_READS = ("/lib", "/lib64", "/usr/lib", "/usr/lib64", "/etc/ld.so.cache", "/dev/urandom")
+
+
+def read_paths(python: str) -> list[str]:
+    """What a program needs to read: the interpreter, its prefix's lib/ (stdlib, libpython) and the shared
+    libraries. Not the project, other runs, the run's data, /tmp or /etc."""
+    exe = os.path.realpath(python)
+    prefix = os.path.dirname(os.path.dirname(exe))
+    return [exe, os.path.join(prefix, "lib"), *SYSTEM_READS]
+
+
 def _landlock_abi() -> int:
     try:
         import ctypes
@@ -141,9 +155,17 @@ def capabilities() -> dict:
             python = os.path.realpath(sys.executable)
             _warn_once("uid", "sandbox: running as root and no Python interpreter is executable by 'nobody'; "
                               "programs run as root, where RLIMIT_NPROC (the fork limit) does not apply")
-        caps = {"landlock": _landlock_abi(), "drop_uid": drop, "python": python, "namespaces": True}
+        abi = _landlock_abi()
+        caps = {"landlock": abi, "drop_uid": drop, "python": python, "namespaces": True, "restrict_reads": abi > 0}
         _caps = caps  # _spawn reads it
-        probe = _run(["-c", "print('ok')"], "", SandboxLimits(cpu_s=5, wall_s=30), caps)
+        probe = _run(["-c", "import json, re, math; print('ok')"], "", SandboxLimits(cpu_s=5, wall_s=30), caps)
+        if probe.status != "ok" and caps["restrict_reads"]:
+            caps["restrict_reads"] = False
+            first = probe.stderr.strip()[:200] or probe.status
+            probe = _run(["-c", "print('ok')"], "", SandboxLimits(cpu_s=5, wall_s=30), caps)
+            if probe.status == "ok":
+                _warn_once("reads", f"sandbox: Python does not start with reads limited to its own files ({first}); "
+                                    "programs can read every file their user can (the run's data included)")
         if probe.status != "ok":
             caps["namespaces"] = False
             probe2 = _run(["-c", "print('ok')"], "", SandboxLimits(cpu_s=5, wall_s=30), caps)
@@ -155,8 +177,9 @@ def capabilities() -> dict:
                              "isolation" + (" (Landlock still denies TCP)" if caps["landlock"] >= 4 else "")
                              + " and forks are reaped by process group only")
         if not caps["landlock"]:
-            _warn_once("landlock", "sandbox: the kernel has no Landlock; writes outside the work dir and reads "
-                                   "of other processes' /proc entries are limited only by file permissions")
+            _warn_once("landlock", "sandbox: the kernel has no Landlock; reads (the run's data included), writes "
+                                   "outside the work dir and other processes' /proc entries are limited only by "
+                                   "file permissions")
         caps["nproc_enforced"] = (not root) or drop
         return caps
 
@@ -184,6 +207,7 @@ def _run(args: list[str], stdin: str, limits: SandboxLimits, caps: dict,
             "cpu_s": limits.cpu_s, "memory_bytes": int(limits.memory_mb * 2**20),
             "fsize_bytes": int(limits.file_size_mb * 2**20), "nofile": limits.nofile, "nproc": limits.nproc,
             "netns": caps["namespaces"], "pidns": caps["namespaces"], "landlock": caps["landlock"] > 0,
+            "read_paths": read_paths(caps["python"]) if caps.get("restrict_reads") else None,
             "uid": NOBODY if caps["drop_uid"] else None, "gid": NOBODY if caps["drop_uid"] else None,
         }
         res = _spawn(spec, stdin, limits)
