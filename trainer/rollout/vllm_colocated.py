@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from fastcov.trainer.rollout.base import RolloutBatch, RolloutEngine, SamplingParams
 from fastcov.trainer.rollout.vllm_api import LOCAL_BACKEND
+from fastcov.trainer.rollout.vllm_plugin import reprocess_tied_layers
 from fastcov.trainer.rollout.vllm_wire import (
     iter_chunks,
     request_outputs_to_batch,
@@ -78,6 +79,7 @@ def local_transfer_engine_cls():
 
         def finish_weight_update(self) -> None:
             finalize_layerwise_reload(self.model, self.model_config)
+            reprocess_tied_layers(self.model)  # a tied LM head's processed weight (vllm_plugin.py)
 
         def receive_weights(self, update_info) -> None:
             self.model.load_weights(update_info.weights)

@@ -89,6 +89,27 @@ def receive_chunk(comm, info: GlooUpdateInfo) -> list[tuple[str, torch.Tensor]]:
     return FlatChunk(flat, list(info.names), list(info.dtype_names), [list(s) for s in info.shapes], sizes).views()
 
 
+def reprocess_tied_layers(model: torch.nn.Module) -> int:
+    """After vLLM's layerwise reload: run ``process_weights_after_loading`` again on every layer whose weight
+    another layer shares (a tied LM head). The reload processes only the layer whose loader received the
+    tensor (the embedding; the checkpoint has no ``lm_head.weight`` when tied), so a layer that keeps a
+    processed form of the weight (vLLM's CPU build prepacks it for its GEMM) would keep computing with the
+    old one. vLLM's first load processes every layer, so this is what it did then. Returns the layers
+    processed."""
+    by_weight: dict[int, list] = {}
+    for mod in model.modules():
+        w, method = getattr(mod, "weight", None), getattr(mod, "quant_method", None)
+        if isinstance(w, torch.Tensor) and not w.is_meta and method is not None:
+            by_weight.setdefault(w.data_ptr(), []).append(mod)
+    n = 0
+    for mods in by_weight.values():
+        if len(mods) > 1:
+            for mod in mods:
+                mod.quant_method.process_weights_after_loading(mod)
+                n += 1
+    return n
+
+
 _GLOO_ENGINE_CLS = None
 
 
@@ -117,6 +138,7 @@ def gloo_transfer_engine_cls():
 
         def finish_weight_update(self) -> None:
             finalize_layerwise_reload(self.model, self.model_config)
+            reprocess_tied_layers(self.model)
 
         def receive_weights(self, update_info) -> None:
             if self.comm is None:
