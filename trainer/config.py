@@ -23,6 +23,10 @@ from fastcov.errors import ConfigError, UserError  # noqa: F401 - ConfigError re
 from fastcov.losses import LossConfig
 
 
+# The attention and MLP projections of Qwen2/Llama-style decoders: model.lora_targets' default.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 @dataclass
 class ModelConfig:
     # Hugging Face path or directory (from_pretrained); None builds a fresh model from `arch`.
@@ -40,6 +44,17 @@ class ModelConfig:
     # Liger-Kernel's fused RMSNorm, SwiGLU and RoPE on the policy (the LM head is fastcov's own).
     # auto: on a GPU when liger-kernel is installed (extra `fastcov[liger]`); true: required; false: never.
     liger: bool | Literal["auto"] = "auto"
+    # LoRA through peft (docs/trainer.md, "LoRA and QLoRA"): adapters of this rank on the lora_targets
+    # modules; only they train, are checkpointed and are synced to the rollout engine, the base stays
+    # frozen. 0 = off (every parameter trains).
+    lora_rank: int = 0
+    lora_alpha: float = 16.0  # adapter scale alpha / rank
+    lora_dropout: float = 0.0
+    # Linear modules that get adapters; "lm_head" listed: the LM head trains in full (not low-rank),
+    # otherwise it stays frozen and the fused kernel skips its dW GEMM.
+    lora_targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    # 4bit: QLoRA, the frozen base's Linear layers in NF4 (bitsandbytes, extra `fastcov[lora]`); needs lora_rank > 0.
+    quantization: Literal["none", "4bit"] = "none"
 
 
 @dataclass
@@ -241,6 +256,9 @@ class TrainerConfig:
     eval_sample_all: bool = False
     eval_max_new_tokens: int | None = None  # None: rollout.max_new_tokens
     save_every: int = 0  # 0 = only at the end and on Ctrl-C
+    # Gradient checkpointing's saved layer inputs go to pinned host memory during the forward and come
+    # back for the backward (needs model.gradient_checkpointing; on CPU there is nowhere to offload to: a no-op).
+    offload_activations: bool = False
     keep_last: int = 2
     progress: bool = True
     tensorboard: bool = False
@@ -436,6 +454,25 @@ def _validate_model_data(m: ModelConfig, d: DataConfig) -> None:
     _check(s.max_value >= 2, "data.synthetic.max_value", "must be >= 2")
 
 
+def _validate_lora(m: ModelConfig, cfg: Config) -> None:
+    _check(m.lora_rank >= 0, "model.lora_rank", f"must be >= 0 (0 = off), got {m.lora_rank}")
+    _check(m.lora_alpha > 0, "model.lora_alpha", f"must be > 0, got {m.lora_alpha}")
+    _check(0 <= m.lora_dropout < 1, "model.lora_dropout", f"must be in [0, 1), got {m.lora_dropout}")
+    _check(bool(m.lora_targets) and all(bool(t) for t in m.lora_targets), "model.lora_targets",
+           "give at least one module name (e.g. q_proj)")
+    _check(m.quantization == "none" or m.lora_rank > 0, "model.quantization",
+           "a 4-bit base cannot train: set model.lora_rank > 0 (QLoRA)")
+    _check(m.quantization == "none" or cfg.trainer.zero_stage < 3, "model.quantization",
+           "ZeRO-3 cannot partition 4-bit weights; use trainer.zero_stage 0-2")
+    _check(m.lora_rank == 0 or cfg.algo.adv_estimator != "prime", "model.lora_rank",
+           "PRIME's reward model is a full trainable copy of the policy; not supported with LoRA")
+    _check(m.lora_rank == 0 or cfg.algo.kl_coef == 0, "model.lora_rank",
+           "REINFORCE++'s KL reference is a copy of the starting model; with LoRA it is not supported yet "
+           "(set algo.kl_coef=0)")
+    _check(not cfg.trainer.offload_activations or m.gradient_checkpointing, "trainer.offload_activations",
+           "offloads gradient checkpointing's saved activations: set model.gradient_checkpointing=true")
+
+
 def _validate_rollout_reward(r: RolloutConfig, cfg: Config) -> None:
     _check(r.n >= 1, "rollout.n", f"must be >= 1, got {r.n}")
     _check(r.temperature > 0, "rollout.temperature", f"must be > 0, got {r.temperature}")
@@ -537,6 +574,7 @@ def validate(cfg: Config) -> Config:
     """Range checks that types cannot express, section by section; raises ConfigError naming the key."""
     _check_registered(cfg)
     _validate_model_data(cfg.model, cfg.data)
+    _validate_lora(cfg.model, cfg)
     _validate_rollout_reward(cfg.rollout, cfg)
     _validate_algo(cfg.algo, cfg.rollout, cfg.trainer)
     _validate_optim_trainer(cfg.optim, cfg.trainer)

@@ -61,6 +61,7 @@ from fastcov.trainer.runtime.distributed import (
     pick_device,
     world_size,
 )
+from fastcov.trainer.runtime.lora import count_parameters
 from fastcov.trainer.runtime.metrics import MetricsLogger
 from fastcov.trainer.runtime.model import (
     PolicyModel,
@@ -449,13 +450,29 @@ class Run:
     logger: Any = None
     pbar: Any = None
     warned: dict[str, bool] = field(default_factory=lambda: {"empty_band": False})
+    synced: bool = False  # a first weight sync has happened (LoRA: later ones send the adapters only)
 
     @property
     def ckpt_root(self) -> Path:
         return checkpoints_dir(self.run_dir)
 
-    def sync_weights(self) -> None:
-        self.rollout.update_weights(self.engine.weight_buckets(self.cfg.rollout.sync_bucket_mb))
+    def sync_weights(self) -> int | None:
+        """Policy weights -> rollout engine. LoRA: everything once, then the adapters only; returns the
+        bytes sent (None without LoRA)."""
+        if not self.engine.frozen_base:
+            self.rollout.update_weights(self.engine.weight_buckets(self.cfg.rollout.sync_bucket_mb))
+            return None
+        sent = [0]
+
+        def counted(buckets):
+            for bucket in buckets:
+                sent[0] += sum(t.numel() * t.element_size() for t in bucket.tensors)
+                yield bucket
+
+        self.rollout.update_weights(counted(self.engine.weight_buckets(
+            self.cfg.rollout.sync_bucket_mb, trainable_only=self.synced)))
+        self.synced = True
+        return sent[0]
 
     def evaluate(self, step: int) -> dict:
         return evaluate(self.rollout, self.val_set, self.reward_fn, self.tokenizer, self.cfg, self.rank,
@@ -523,6 +540,11 @@ def _build(cfg: Config, device: torch.device, rank: int, world: int, tokenizer, 
     # taken before DeepSpeed wraps (and under ZeRO-3 shards) the policy
     token_adv = make_token_advantages(cfg, lm)
     engine = DeepSpeedPolicy(PolicyModel(lm), cfg, device, world)
+    if engine.frozen_base and rank == 0:
+        trainable, total = count_parameters(lm)
+        base = " on a 4-bit base" if cfg.model.quantization == "4bit" else ""
+        print(f"[fastcov] LoRA rank {cfg.model.lora_rank}{base}: {trainable:,} of {total:,} parameters train",
+              flush=True)
     # the HF engine samples from the policy's own module (ZeRO 0-2) or one empty copy per node (ZeRO-3)
     rollout = make_rollout_engine(cfg, engine.policy.lm, tokenizer, device=device, rank=rank, world=world,
                                   zero_stage=cfg.trainer.zero_stage)
@@ -616,8 +638,10 @@ def score_and_update(run: Run, col: Collected, rec: dict) -> tuple[UpdateStats, 
                           f"step(s) skipped ({run.counters['skipped_steps']} so far)", stacklevel=1)
     times["update"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    run.sync_weights()
+    sync_bytes = run.sync_weights()
     times["sync"] = time.perf_counter() - t0
+    if sync_bytes is not None:
+        rec["sync_bytes"] = sync_bytes
     return upd, list(old), lr
 
 

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from fastcov.errors import ConfigError
+from fastcov.trainer.runtime.lora import has_adapters, lora_enabled
 from fastcov.trainer.runtime.precision import param_dtype  # noqa: F401 - re-exported
 
 
@@ -125,6 +126,10 @@ def build_model(mcfg, device: torch.device, dtype: torch.dtype, tokenizer=None,
             del hf_ds_config
     else:
         model = _construct(mcfg, dtype, attn, tokenizer)
+    if lora_enabled(mcfg):  # adapters in, base frozen (4-bit: quantized by the move to the device below)
+        from fastcov.trainer.runtime.lora import add_adapters
+
+        model = add_adapters(model, mcfg, dtype)
     liger = getattr(mcfg, "liger", False)
     if use_liger(liger, device):
         apply_liger(model, required=liger is True or liger == "on")
@@ -274,7 +279,12 @@ def export_final(model, tokenizer, run_dir: Path) -> Path:
     for p in (tmp, old):
         if p.exists():
             shutil.rmtree(p)
-    model.save_pretrained(tmp)
+    if has_adapters(model):  # LoRA: the adapter alone, in peft's layout (PeftModel.from_pretrained(base, final))
+        from fastcov.trainer.runtime.lora import save_adapter
+
+        save_adapter(model, tmp, getattr(model.config, "_name_or_path", None) or None)
+    else:
+        model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     fsync_tree(tmp)
     if final.exists():

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 import torch
 
 from fastcov.trainer.runtime.distributed import all_reduce_
+from fastcov.trainer.runtime.lora import has_adapters
 
 
 def lr_at(step: int, ocfg, max_steps: int) -> float:
@@ -78,6 +79,8 @@ class DeepSpeedPolicy:
         )
         self.policy = self.engine.module
         self.steps = 0  # optimizer steps attempted (applied or skipped)
+        # LoRA: the base is frozen and rebuilt identically on resume; checkpoints hold what trains
+        self.frozen_base = has_adapters(policy.lm)
 
     # ---------------------------------------------------------------- forward / backward / step
     def __call__(self, *args, **kwargs):
@@ -123,14 +126,15 @@ class DeepSpeedPolicy:
         return applied, norm
 
     # ---------------------------------------------------------------- weights
-    def weight_buckets(self, bucket_mb: float = 64.0):
+    def weight_buckets(self, bucket_mb: float = 64.0, trainable_only: bool = False):
         """The HF model's parameters then buffers as ``weight_sync.Bucket``s of <= ``bucket_mb`` MiB
         (a larger tensor alone; ``bucket_mb`` <= 0: one tensor per bucket), named as its
         ``named_parameters()``/``named_buffers()``; full tensors in the training dtype and device.
 
         Under ZeRO-3 each bucket's parameters are gathered together (one ``GatheredParameters`` over
         them) only while the consumer holds the bucket: every rank must iterate to the end, and a
-        consumer is done with a bucket before asking for the next one.
+        consumer is done with a bucket before asking for the next one. ``trainable_only``: the
+        parameters that train and nothing else (LoRA: the adapters, once the engine holds the base).
         """
         from fastcov.trainer.runtime.weight_buckets import bucket_bytes_from_mb, iter_buckets
 
@@ -142,7 +146,10 @@ class DeepSpeedPolicy:
             def gather(params):
                 return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
 
-        named = list(lm.named_parameters()) + list(lm.named_buffers())
+        if trainable_only:
+            named = [(n, p) for n, p in lm.named_parameters() if p.requires_grad]
+        else:
+            named = list(lm.named_parameters()) + list(lm.named_buffers())
         return iter_buckets(named, bucket_bytes_from_mb(bucket_mb), gather)
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -169,11 +176,16 @@ class DeepSpeedPolicy:
 
     # ---------------------------------------------------------------- checkpoints
     def save(self, directory: str) -> None:
-        self.engine.save_checkpoint(directory, tag="ds", client_state={"steps": self.steps})
+        if self.frozen_base:
+            self.engine.save_checkpoint(directory, tag="ds", client_state={"steps": self.steps},
+                                        exclude_frozen_parameters=True)
+        else:
+            self.engine.save_checkpoint(directory, tag="ds", client_state={"steps": self.steps})
 
     def load(self, directory: str) -> None:
         path, client = self.engine.load_checkpoint(directory, tag="ds", load_optimizer_states=True,
-                                                   load_lr_scheduler_states=False)
+                                                   load_lr_scheduler_states=False,
+                                                   load_module_strict=not self.frozen_base)
         if path is None:
             raise FileNotFoundError(f"resume: no DeepSpeed checkpoint under {directory!r}")
         self.steps = int(client.get("steps", 0))

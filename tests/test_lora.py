@@ -1,0 +1,184 @@
+"""LoRA and QLoRA policies (model.lora_rank, model.quantization: 4bit) on CPU: only the adapters train,
+are checkpointed and resumed bit-exactly; the HF engine samples from the adapted model itself; the
+reference is the base with the adapters switched off."""
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+pytest.importorskip("deepspeed")
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+from fastcov.trainer import train as train_mod  # noqa: E402
+from fastcov.trainer.config import ConfigError, load_config  # noqa: E402
+from fastcov.trainer.runtime.run_dir import read_metrics  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "configs" / "tiny.yaml"
+VOLATILE = ("time/", "tokens_per_s")
+LORA = ["model.lora_rank=4", "model.lora_alpha=8"]
+# NF4 packs 64 inputs per block (bitsandbytes' CPU kernel also 32 outputs): a tiny model just wide enough
+QLORA = [*LORA, "model.quantization=4bit", "model.arch.hidden_size=64", "model.arch.intermediate_size=128"]
+
+
+@pytest.fixture(autouse=True)
+def varied_rewards(monkeypatch):
+    """An untrained model never answers right; reward odd-length responses so advantages are non-zero."""
+    monkeypatch.setattr(train_mod.RewardFn, "__call__", lambda self, text, truth: float(len(text) % 2))
+
+
+def tiny(tmp_path, name, *overrides):
+    return load_config(TINY, [f"trainer.run_dir={tmp_path / name}", "reward.sandbox=inline", "trainer.eval_every=0",
+                              "trainer.device=cpu", *overrides])
+
+
+def stable(recs):
+    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in recs]
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.lora_rank=-1", "model.lora_rank: must be >= 0"),
+    ("model.lora_alpha=0", "model.lora_alpha: must be > 0"),
+    ("model.lora_dropout=1.0", "model.lora_dropout: must be in [0, 1)"),
+    ("model.lora_targets=[]", "model.lora_targets: give at least one module name"),
+    ("model.quantization=4bit", "model.quantization: a 4-bit base cannot train"),
+    ("model.quantization=8bit", "model.quantization: '8bit' is not one of"),
+    ("trainer.offload_activations=true", "trainer.offload_activations: offloads gradient checkpointing"),
+])
+def test_bad_lora_settings_name_the_key(tmp_path, override, message):
+    with pytest.raises(ConfigError) as info:
+        tiny(tmp_path, "bad", override)
+    assert str(info.value).startswith(message) and "\n" not in str(info.value)
+
+
+def test_four_bit_refuses_zero3_and_lora_refuses_prime(tmp_path):
+    with pytest.raises(ConfigError, match=r"^model.quantization: ZeRO-3"):
+        tiny(tmp_path, "z3", *LORA, "model.quantization=4bit", "trainer.zero_stage=3")
+    with pytest.raises(ConfigError, match=r"^model.lora_rank: PRIME"):
+        tiny(tmp_path, "prime", *LORA, "algo.adv_estimator=prime")
+
+
+def test_unknown_target_module_is_a_config_error(tmp_path):
+    from fastcov.errors import UserError
+
+    with pytest.raises(UserError, match=r"^model.lora_targets: "):
+        train_mod.train(tiny(tmp_path, "run", *LORA, "model.lora_targets=[no_such_proj]", "trainer.max_steps=1"))
+
+
+def _snapshot(monkeypatch):
+    """Every tensor of the model right after it is built (before any step), by name."""
+    built = {}
+    real = train_mod.build_model
+
+    def spy(*args, **kwargs):
+        lm = real(*args, **kwargs)
+        built.update({n: p.detach().clone() for n, p in lm.named_parameters()})
+        return lm
+
+    monkeypatch.setattr(train_mod, "build_model", spy)
+    return built
+
+
+def _train_and_compare(tmp_path, monkeypatch, name, *over):
+    initial = _snapshot(monkeypatch)
+    seen = {}
+
+    def on_end(engine, rollout):
+        lm = engine.policy.lm
+        seen["same_module"] = rollout.model is lm  # the HF engine samples from the adapted policy itself
+        seen["params"] = {n: p.detach().clone() for n, p in lm.named_parameters()}
+        seen["trainable"] = {n for n, p in lm.named_parameters() if p.requires_grad}
+
+    run = train_mod.train(tiny(tmp_path, name, "trainer.max_steps=2", *LORA, *over), on_end=on_end)
+    changed = {n for n, p in seen["params"].items() if not torch.equal(p, initial[n])}
+    return run, seen, changed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quant", ["none", "4bit"])
+def test_only_adapters_train_and_the_engine_samples_from_them(tmp_path, monkeypatch, quant):
+    run, seen, changed = _train_and_compare(tmp_path, monkeypatch, "run", *(QLORA if quant == "4bit" else []))
+    params = seen["params"]
+    assert seen["trainable"] and all(".lora_" in n for n in seen["trainable"])
+    assert changed and changed <= seen["trainable"]  # base, norms, embeddings and lm_head unchanged
+    assert "lm_head.weight" in params and "lm_head.weight" not in changed
+    if quant == "4bit":
+        assert any(p.dtype == torch.uint8 for p in params.values())  # NF4-packed base weights
+    assert seen["same_module"]
+    recs = read_metrics(run / "metrics.jsonl")
+    # the rollout log-probs are the adapted policy's own (the engine samples from the same module)
+    assert abs(recs[-1]["rollout_logprob_diff"]) < 1e-4
+    n_adapter_bytes = sum(p.numel() * p.element_size() for n, p in params.items() if n in seen["trainable"])
+    assert recs[-1]["sync_bytes"] == n_adapter_bytes  # adapters only after the first sync
+    final = run / "final"
+    assert (final / "adapter_config.json").is_file() and (final / "adapter_model.safetensors").is_file()
+    assert not (final / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_checkpoint_holds_only_adapters_and_resume_is_bit_exact(tmp_path):
+    over = [*QLORA, "trainer.max_steps=3", "trainer.save_every=1"]
+    full = train_mod.train(tiny(tmp_path, "full", *over))
+    cut = tiny(tmp_path, "cut", *over)
+    train_mod.train(cut, stop_at=1)
+    state = torch.load(tmp_path / "cut" / "checkpoints" / "step_000001" / "ds" / "mp_rank_00_model_states.pt",
+                       map_location="cpu", weights_only=False)
+    tensors = [k for k, v in state["module"].items() if torch.is_tensor(v) and v.dtype != torch.uint8]
+    weights = [k for k in tensors if k.endswith(".weight") and ".lora_" not in k]
+    assert not weights, f"frozen weights in the checkpoint: {weights[:3]}"
+    train_mod.train(cut, resume=True)
+    a, b = stable(read_metrics(full / "metrics.jsonl")), stable(read_metrics(tmp_path / "cut" / "metrics.jsonl"))
+    assert [r["step"] for r in b] == [1, 2, 3] and a == b
+    from safetensors.torch import load_file
+
+    fa, fb = load_file(full / "final" / "adapter_model.safetensors"), load_file(tmp_path / "cut" / "final" /
+                                                                                "adapter_model.safetensors")
+    assert fa.keys() == fb.keys() and all(torch.equal(fa[k], fb[k]) for k in fa)
+
+
+def test_adapters_disabled_is_the_base_and_adapter_files_load_in_peft(tmp_path):
+    from peft import PeftModel
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fastcov.trainer.runtime.lora import adapters_disabled, add_adapters, save_adapter
+
+    cfg = tiny(tmp_path, "x", *LORA, "model.lora_targets=[q_proj,v_proj,down_proj]").model
+    arch = {k: v for k, v in cfg.arch.items() if k != "model_type"}
+    config = AutoConfig.for_model("qwen2", vocab_size=50, **arch)
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(config)
+    torch.manual_seed(0)
+    lm = add_adapters(AutoModelForCausalLM.from_config(config), cfg, torch.float32)
+    for n, p in lm.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p)  # peft starts B at 0: move it so the adapters change the output
+    x = torch.randint(0, 50, (2, 7))
+    with torch.no_grad():
+        want = base(x).logits
+        assert not torch.allclose(lm(x).logits, want)
+        with adapters_disabled(lm):
+            assert torch.equal(lm(x).logits, want)
+        adapted = lm(x).logits
+    assert all(p.requires_grad == (".lora_" in n) for n, p in lm.named_parameters())  # flags restored
+    save_adapter(lm, tmp_path / "adapter")
+    loaded = PeftModel.from_pretrained(base, tmp_path / "adapter")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x).logits, adapted)
+
+
+def test_head_listed_trains_in_full(tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fastcov.trainer.runtime.lora import adapter_state_dict, add_adapters
+
+    cfg = tiny(tmp_path, "x", *LORA, "model.lora_targets=[q_proj,lm_head]").model
+    arch = {k: v for k, v in cfg.arch.items() if k != "model_type"}
+    lm = add_adapters(AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen2", vocab_size=50, **arch)),
+                      cfg, torch.float32)
+    assert type(lm.lm_head) is torch.nn.Linear and lm.lm_head.weight.requires_grad
+    assert "lm_head.weight" in adapter_state_dict(lm)

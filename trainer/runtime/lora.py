@@ -1,0 +1,182 @@
+"""LoRA and QLoRA policies: peft adapters injected into the Hugging Face model in place, a frozen base.
+
+The model stays the transformers class it was (``peft.inject_adapter_in_model``, no PeftModel wrapper),
+so the policy's decoder/head split, the fused kernel and the HF rollout engine see the same module.
+Only the adapters require gradients: DeepSpeed's optimizer holds only them, checkpoints store only them
+(``exclude_frozen_parameters``), and the weight sync after the first one sends only them.
+
+* ``model.quantization: 4bit`` (QLoRA): every ``nn.Linear`` of the decoder becomes a bitsandbytes NF4
+  ``Linear4bit`` before the adapters go in; the weights are quantized when the model moves to its device.
+* The LM head stays a frozen ``nn.Linear`` unless ``lm_head`` is in ``model.lora_targets``; then it
+  trains in full (the fused kernel needs its weight matrix as it is).
+* The reference policy of a KL term is the same module with the adapters switched off
+  (``adapters_disabled``), never a second copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+HEAD = "lm_head"
+ADAPTER = "default"  # peft's adapter name
+
+
+def lora_enabled(mcfg) -> bool:
+    """Whether a ``model`` config section (or None) asks for adapters."""
+    return mcfg is not None and int(getattr(mcfg, "lora_rank", 0) or 0) > 0
+
+
+def lora_config(mcfg):
+    """peft's LoraConfig of a ``model`` section (the head, if listed, trains in full: not a LoRA target)."""
+    from peft import LoraConfig
+
+    targets = [t for t in mcfg.lora_targets if t != HEAD]
+    return LoraConfig(r=int(mcfg.lora_rank), lora_alpha=float(mcfg.lora_alpha),
+                      lora_dropout=float(mcfg.lora_dropout), target_modules=targets, bias="none")
+
+
+def _packable(lin: nn.Linear) -> bool:
+    """bitsandbytes' NF4 blocks are 64 inputs wide and its CPU kernel packs outputs by 32."""
+    return lin.in_features % 64 == 0 and lin.out_features % 32 == 0
+
+
+def quantize_4bit(model: nn.Module, compute_dtype: torch.dtype) -> int:
+    """Replace every ``nn.Linear`` except the output embedding by an NF4 ``Linear4bit`` holding the same
+    (not yet quantized) weights; they are quantized when the model moves to its device. A layer too
+    narrow for NF4 blocks (fewer than 64 inputs: toy models only) stays as it is, said once. Returns the count."""
+    import warnings
+
+    import bitsandbytes as bnb
+
+    head = model.get_output_embeddings()
+    linears = [(name, mod) for name, mod in model.named_modules() if type(mod) is nn.Linear and mod is not head]
+    swaps = [(name, lin) for name, lin in linears if _packable(lin)]
+    if len(swaps) < len(linears):
+        warnings.warn(f"model.quantization: {len(linears) - len(swaps)} of {len(linears)} Linear layers stay "
+                      "unquantized (NF4 needs in_features % 64 == 0 and out_features % 32 == 0)", stacklevel=2)
+    for name, lin in swaps:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=lin.bias is not None,
+                              compute_dtype=compute_dtype, quant_type="nf4", device="meta")
+        q.weight = bnb.nn.Params4bit(lin.weight.data.float(), requires_grad=False, quant_type="nf4")
+        # bitsandbytes' AVX512-BF16 inference path repacks the weights (absmax rounded to bf16) on the first
+        # no-grad forward and then runs without autograd: rollouts and training would see different weights
+        q.support_avx512bf16_for_cpu = False
+        if lin.bias is not None:
+            q.bias = nn.Parameter(lin.bias.data, requires_grad=False)
+        setattr(parent, child, q)
+    return len(swaps)
+
+
+def add_adapters(model: nn.Module, mcfg, compute_dtype: torch.dtype) -> nn.Module:
+    """The model with LoRA adapters on ``mcfg.lora_targets`` (after NF4 quantization when asked), every
+    other parameter frozen (the head trainable when listed). Raises ValueError naming the key."""
+    from peft import inject_adapter_in_model
+
+    if mcfg.quantization == "4bit":
+        if quantize_4bit(model, compute_dtype) == 0:
+            raise ValueError("model.quantization: the model has no nn.Linear layer to quantize")
+    try:
+        model = inject_adapter_in_model(lora_config(mcfg), model, adapter_name=ADAPTER)
+    except ValueError as exc:
+        raise ValueError(f"model.lora_targets: {str(exc).splitlines()[0]}") from None
+    for name, p in model.named_parameters():
+        p.requires_grad_(".lora_" in name)
+    if HEAD in mcfg.lora_targets:
+        for p in model.get_output_embeddings().parameters():
+            p.requires_grad_(True)
+    model._fastcov_lora = {"rank": int(mcfg.lora_rank), "alpha": float(mcfg.lora_alpha),
+                           "dropout": float(mcfg.lora_dropout), "targets": list(mcfg.lora_targets),
+                           "quantization": mcfg.quantization}
+    return model
+
+
+def has_adapters(model: nn.Module) -> bool:
+    return getattr(model, "_fastcov_lora", None) is not None
+
+
+def trainable_named(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """(name, parameter) of what trains: the adapters (and the head when listed)."""
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[nn.Module]:
+    """The base model: every LoRA layer of ``model`` bypassed inside the block, back on after (peft's
+    switch also flips the adapters' requires_grad; each parameter's flag is restored as it was)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    for m in layers:
+        m.enable_adapters(False)
+    try:
+        yield model
+    finally:
+        for m in layers:
+            m.enable_adapters(True)
+        for p, flag in flags:
+            p.requires_grad_(flag)
+
+
+def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter tensors in peft's saved layout (``...q_proj.lora_A.weight``; the head's full weight
+    when it trains), detached, on the CPU."""
+    from peft import get_peft_model_state_dict
+
+    state = get_peft_model_state_dict(model, adapter_name=ADAPTER)
+    if HEAD in model._fastcov_lora["targets"]:
+        head = model.get_output_embeddings()
+        state.update({f"{HEAD}.{k}": v for k, v in head.state_dict().items()})
+    return {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
+
+
+def adapter_config_dict(model: nn.Module, base_name: str | None = None) -> dict:
+    """adapter_config.json as peft writes it for this model's adapters."""
+    cfg = model.peft_config[ADAPTER].to_dict()
+    cfg["base_model_name_or_path"] = base_name
+    if HEAD in model._fastcov_lora["targets"]:
+        cfg["modules_to_save"] = [HEAD]
+    return {k: (sorted(v) if isinstance(v, set) else v) for k, v in cfg.items()}
+
+
+def save_adapter(model: nn.Module, directory: Path, base_name: str | None = None) -> int:
+    """``adapter_config.json`` + ``adapter_model.safetensors`` (peft's layout, loadable with
+    ``PeftModel.from_pretrained(base, directory)`` and by vLLM's ``LoRARequest``). Returns the bytes written."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {f"base_model.model.{k}": v for k, v in adapter_state_dict(model).items()}
+    save_file(state, str(directory / "adapter_model.safetensors"))
+    (directory / "adapter_config.json").write_text(json.dumps(adapter_config_dict(model, base_name), indent=1))
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def copy_adapter_layout(src: nn.Module, dst: nn.Module) -> nn.Module:
+    """``dst`` (a plain copy of ``src``'s architecture) with the same adapter modules as ``src``, frozen:
+    a rollout copy whose tensors the weight sync can fill by name."""
+    from peft import inject_adapter_in_model
+
+    dst = inject_adapter_in_model(src.peft_config[ADAPTER], dst, adapter_name=ADAPTER)
+    for p in dst.parameters():
+        p.requires_grad_(False)
+    dst._fastcov_lora = dict(src._fastcov_lora)
+    return dst
+
+
+def count_parameters(model: nn.Module) -> tuple[int, int]:
+    """(trainable, all) parameter counts; a 4-bit weight counts its unpacked size."""
+    total = trainable = 0
+    for p in model.parameters():
+        n = p.numel() * 2 if p.dtype == torch.uint8 else p.numel()  # two NF4 values per byte
+        total += n
+        trainable += n if p.requires_grad else 0
+    return trainable, total
