@@ -50,6 +50,7 @@ class Case:
     def key(self) -> dict:
         return {"kernel": self.kernel, "dtype": self.dtype, "switch": self.switch, "config": self.launch.label(),
                 "num_warps": self.launch.num_warps, "num_stages": self.launch.num_stages,
+                "maxnreg": getattr(self.launch, "maxnreg", None),
                 "meta": self.launch.meta, "arch": arch_name(self.arch)}
 
 
@@ -59,14 +60,16 @@ def ptxas_path() -> Path:
     return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas-blackwell"
 
 
-def cuda_backend_reason() -> str | None:
-    """Why AOT compilation cannot run here, or None."""
+def cuda_backend_reason(check_interpret: bool = True) -> str | None:
+    """Why AOT compilation cannot run here (in this process, with ``check_interpret``), or None."""
     try:
         import triton  # noqa: F401
         from triton.backends.compiler import GPUTarget  # noqa: F401
         from triton.compiler import ASTSource  # noqa: F401
     except Exception as exc:  # noqa: BLE001
         return f"triton's CUDA backend not importable: {exc}"
+    if check_interpret and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return "TRITON_INTERPRET is set: @triton.jit gives interpreter functions (unset it to compile)"
     if not ptxas_path().is_file():
         return f"no ptxas at {ptxas_path()}"
     return None
@@ -124,7 +127,7 @@ def compile_case(case: Case) -> dict:
                         row.attrs())
         t0 = time.perf_counter()
         compiled = triton.compile(src, target=GPUTarget("cuda", case.arch, 32),
-                                  options=dict(num_warps=case.launch.num_warps, num_stages=case.launch.num_stages))
+                                  options=case.launch.options())
         rec["compile_s"] = round(time.perf_counter() - t0, 3)
         ptx = compiled.asm["ptx"]
         rec.update(parse_ptxas(run_ptxas(ptx, case.arch)))

@@ -64,16 +64,21 @@ def finalize(stats: torch.Tensor, valid: torch.Tensor, vocab_size: int, want_cov
     return logsumexp, logprob, entropy, vocab_cov
 
 
-def dz_from_upstream(z, logsumexp, entropy, labels_local, g, e):
+def dz_from_upstream(z, logsumexp, entropy, labels_local, g, e, with_entropy: bool = True):
     """Gradient w.r.t. the tempered logits z of a tile, computed in place of z: [n, v] fp32.
 
     dz_v = g·(1[v=y] − p_v) − e·p_v·(log p_v + H); labels_local [n] int64 is the label's column
-    inside the tile (out of [0, v) when it is elsewhere); g, e [n] fp32 (zero for ignored rows).
+    inside the tile (out of [0, v) when it is elsewhere); g, e [n] fp32 (zero for ignored rows; a
+    caller may pre-scale both by 1/T). ``with_entropy=False`` (e is zero everywhere: only log-probs
+    need a gradient) drops the entropy term's passes: dz = −g·p + g·1[v=y].
     """
     logp = z.sub_(logsumexp[:, None])
-    p = torch.exp(logp)
-    dz = logp.add_(entropy[:, None]).mul_(e[:, None]).add_(g[:, None]).mul_(p).neg_()
-    del p
+    if with_entropy:
+        p = torch.exp(logp)
+        dz = logp.add_(entropy[:, None]).mul_(e[:, None]).add_(g[:, None]).mul_(p).neg_()
+        del p
+    else:
+        dz = logp.exp_().mul_(g.neg()[:, None])
     hit = (labels_local >= 0) & (labels_local < z.shape[1])
     column = labels_local.clamp(0, z.shape[1] - 1)[:, None]
     return dz.scatter_add_(1, column, torch.where(hit, g, torch.zeros_like(g))[:, None])

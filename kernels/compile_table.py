@@ -30,6 +30,11 @@ class Launch:
     meta: dict
     num_warps: int
     num_stages: int
+    maxnreg: int | None = None
+
+    def options(self) -> dict:
+        opts = dict(num_warps=self.num_warps, num_stages=self.num_stages)
+        return opts if self.maxnreg is None else dict(opts, maxnreg=self.maxnreg)
 
     def label(self) -> str:
         tiles = "x".join(str(v) for v in self.meta.values()) or "-"
@@ -71,7 +76,8 @@ def _space(space_of) -> Callable[[str, dict], list]:
     """Launches from a kernel module's config space function (the one its autotuner prunes with)."""
     def launches(dtype: str, switch: dict) -> list:
         space = space_of(dtype, switch.get("TOPK", 0)) if "TOPK" in switch else space_of(dtype)
-        return [Launch({"BLOCK_N": bn, "BLOCK_V": bv, "BLOCK_D": bd}, w, st) for bn, bv, bd, w, st in space]
+        return [Launch({"BLOCK_N": bn, "BLOCK_V": bv, "BLOCK_D": bd}, w, st, _lle.MAXNREG)
+                for bn, bv, bd, w, st in space]
     return launches
 
 

@@ -35,8 +35,12 @@ def chunk_sizes(n: int, v: int, chunk_elements: int = CHUNK_ELEMENTS,
     return chunk_n, chunk_v
 
 
-def _tempered_logits(h, w, b, inv_temp):
-    """fp32 logits z = (h W^T + b)/T of one chunk: h [n, D], w [v, D] -> [n, v]."""
+def _tempered_logits(h, w, b, inv_temp, prescaled: bool = False):
+    """fp32 logits z = (h W^T + b)/T of one chunk: h [n, D], w [v, D] -> [n, v]. With ``prescaled``
+    the caller has already multiplied h (fp32) by 1/T, and only the bias is scaled here."""
+    if prescaled:
+        z = h @ w.float().T
+        return z if b is None else z.add_(b.float(), alpha=inv_temp)
     z = h.float() @ w.float().T
     if b is not None:
         z.add_(b.float())
@@ -84,13 +88,14 @@ def stats_forward(hidden, weight, bias, labels, temperature, topk, want_cov=True
                 cand_i.append(ti + c0)
             zc = z.sub_(m[:, None])  # in place: a handful of chunk-sized buffers alive at most
             e = torch.exp(zc)
-            s_, u_ = e.sum(1), torch.mul(e, zc).sum(1)
+            s_ = e.sum(1)
             if want_cov:
-                e2 = e.mul_(e)
-                s2_, u2_ = e2.sum(1), torch.mul(e2, zc).sum(1)
+                e2 = e * e
+                s2_, u2_ = e2.sum(1), e2.mul_(zc).sum(1)
                 del e2
             else:
                 s2_ = u2_ = torch.zeros_like(s_)
+            u_ = e.mul_(zc).sum(1)  # in place: e is not needed after this
             part = torch.stack((m, s_, u_, s2_, u2_, zy))
             del zc, z, e
             running = part if running is None else combine_partials(torch.stack((running, part), 1))
@@ -128,13 +133,19 @@ def grad_backward(hidden, weight, bias, labels, temperature, logsumexp, entropy,
     rows, cols = backward_chunks(n, v, d, hidden.element_size(), budget, bias is not None)
     inv_temp = 1.0 / temperature
 
+    # 1/T folded into the upstream gradients (dz/T = (g/T)·(…) − (e/T)·(…)): one pass less per tile
+    g_t, e_t = g * inv_temp, e * inv_temp
+    with_entropy = bool(e.ne(0).any())  # only log-probs need a gradient: skip the entropy term's passes
+
     def fill_dz(r0, r1, dz):
-        h32 = hidden[r0:r1].float()
+        h32 = hidden[r0:r1].float() * inv_temp  # a new tensor: .float() of fp32 input is the input itself
         for c0 in range(0, v, cols):
             c1 = min(v, c0 + cols)
-            z = _tempered_logits(h32, weight[c0:c1], None if bias is None else bias[c0:c1], inv_temp)
-            grad = dz_from_upstream(z, logsumexp[r0:r1], entropy[r0:r1], labels[r0:r1] - c0, g[r0:r1], e[r0:r1])
-            dz[:, c0:c1].copy_(grad.mul_(inv_temp))
+            z = _tempered_logits(h32, weight[c0:c1], None if bias is None else bias[c0:c1], inv_temp,
+                                 prescaled=True)
+            grad = dz_from_upstream(z, logsumexp[r0:r1], entropy[r0:r1], labels[r0:r1] - c0, g_t[r0:r1],
+                                    e_t[r0:r1], with_entropy)
+            dz[:, c0:c1].copy_(grad)
             del z, grad
 
     return gemm_backward(hidden, weight, bias, fill_dz, rows, need_dh, need_dw)
