@@ -56,6 +56,7 @@ from fastcov.trainer.runtime.checkpoint import (
 from fastcov.trainer.runtime.distributed import (
     all_gather_floats,
     all_max,
+    all_reduce_,
     all_sum,
     init_distributed,
     pick_device,
@@ -138,12 +139,14 @@ def forward(engine, mb: MicroBatch, temperature: float, vocab_cov: bool = False)
 
 
 def compute_old_logprobs(engine, seqs: list[Sequence], cfg: Config, pad_id: int, device: torch.device,
-                         keep_entropy: bool = False, keep_vocab_cov: bool = False) -> tuple[float, float, float]:
+                         keep_entropy: bool = False, keep_vocab_cov: bool = False
+                         ) -> tuple[float, float, float, float]:
     """Step 4: fill ``old_logprob`` of every sequence (and ``old_entropy`` / ``old_vocab_cov`` when asked)
     with a no-grad pass over token-budget micro-batches. Returns (entropy sum, response tokens,
-    Σ |old − sampling log-prob|) over this rank's sequences. Every rank must call it."""
+    Σ |old − sampling log-prob|, max |old − sampling log-prob|) over this rank's sequences: the rollout
+    engine's log-probs against the policy's before the update. Every rank must call it."""
     engine.eval()
-    ent_sum = tok_sum = lp_diff = 0.0
+    ent_sum = tok_sum = lp_diff = lp_diff_max = 0.0
     with torch.no_grad():
         for mb in micro_batches(seqs, pad_id=pad_id, device=device, **batching(cfg, engine)):
             res = forward(engine, mb, cfg.rollout.temperature, vocab_cov=keep_vocab_cov)
@@ -159,9 +162,11 @@ def compute_old_logprobs(engine, seqs: list[Sequence], cfg: Config, pad_id: int,
                 if keep_vocab_cov:
                     s.old_vocab_cov = res.vocab_cov[row, start : start + n].float().tolist()
                 ent_sum += float(ent.sum())
-                lp_diff += float((lp - torch.tensor(s.sample_logprob, device=lp.device)).abs().sum())
+                gap = (lp - torch.tensor(s.sample_logprob, device=lp.device)).abs()
+                lp_diff += float(gap.sum())
+                lp_diff_max = max(lp_diff_max, float(gap.max())) if n else lp_diff_max
                 tok_sum += n
-    return ent_sum, tok_sum, lp_diff
+    return ent_sum, tok_sum, lp_diff, lp_diff_max
 
 
 def mini_batch_selection(engine, mini: list[Sequence], mbs: list[MicroBatch], cfg: Config, loss_cfg: LossConfig,
@@ -650,14 +655,17 @@ def step_metrics(run: Run, col: Collected, upd: UpdateStats, old: list[float], l
     cfg, a = run.cfg, run.cfg.algo
     resp_lens = [len(x) for x in col.token_ids]
     (r_sum, r_n, len_sum, e_sum, tk_sum, d_sum, p_sum, m_n, l_sum) = all_sum(
-        [sum(col.rewards), len(col.rewards), sum(resp_lens), *old, sum(len(p) for p in col.prompts),
+        [sum(col.rewards), len(col.rewards), sum(resp_lens), *old[:3], sum(len(p) for p in col.prompts),
          float(upd.metric_tokens), upd.loss_sum], run.device)
+    # rollout/policy mismatch (diagnostics only): max and mean |rollout log-prob - policy's| over all ranks
+    d_max = all_reduce_(torch.tensor([old[3]], dtype=torch.float64, device=run.device), "max").item()
     mvals = all_sum([upd.metric_sums.get(k, 0.0) for k in LOSS_METRICS], run.device)
     reward = r_sum / max(r_n, 1)
     rec.update({
         "reward_mean": reward, "acc_mean": reward if cfg.reward.kind == "binary" else (reward + 1) / 2,
         "entropy": e_sum / max(tk_sum, 1), "response_len": len_sum / max(r_n, 1),
-        "rollout_logprob_diff": d_sum / max(tk_sum, 1), "loss": l_sum / max(a.ppo_epochs * upd.n_mini, 1),
+        "rollout_logprob_diff": d_sum / max(tk_sum, 1), "rollout_logprob_diff_mean": d_sum / max(tk_sum, 1),
+        "rollout_logprob_diff_max": d_max, "loss": l_sum / max(a.ppo_epochs * upd.n_mini, 1),
         "lr": lr, "grad_norm": float(np.mean(upd.grad_norms)) if upd.grad_norms else None,
         "applied_steps": upd.applied_steps,
         **{LOSS_METRIC_NAMES.get(k, k): v / max(m_n, 1) for k, v in zip(LOSS_METRICS, mvals)},
