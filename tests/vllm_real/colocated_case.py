@@ -30,7 +30,7 @@ def build_policy(spec: dict):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     # vLLM's CPU attention takes head_dim 64 (not 16): hidden 128, 2 heads
-    common = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+    common = dict(vocab_size=spec.get("vocab", VOCAB), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                   num_attention_heads=2, num_key_value_heads=2 if spec["arch"] == "llama" else 1,
                   max_position_embeddings=256, tie_word_embeddings=spec["tie"], bos_token_id=1,
                   eos_token_id=EOS, pad_token_id=0)
