@@ -14,6 +14,12 @@ from dataclasses import asdict, dataclass
 GIB = 1024**3
 
 
+# model.lora_targets' default (the trainer's config repeats it): attention and MLP projections.
+LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# NF4: 4 bits per weight plus one fp32 absmax per 64-weight block (bitsandbytes' default block size).
+NF4_BYTES = 0.5 + 4 / 64
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """What the plan needs of a decoder-only transformer (Qwen2/Llama style, GQA, SwiGLU MLP)."""
@@ -39,6 +45,21 @@ class ModelShape:
         per_layer = attention + mlp + 2 * h  # two RMSNorm weights
         embeddings = self.vocab_size * h * (1 if self.tie_embeddings else 2)
         return self.num_layers * per_layer + embeddings + h
+
+    def projections(self) -> dict[str, tuple[int, int]]:
+        """(in, out) features of each Linear of one decoder layer, by its Qwen2/Llama module name."""
+        h, kv, i = self.hidden_size, self.num_kv_heads * self.head_dim, self.intermediate_size
+        return {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
+                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+    def lora_parameters(self, rank: int, targets: tuple[str, ...] = LORA_PROJECTIONS) -> int:
+        """Adapter parameters of rank ``rank`` on ``targets``: r·(in + out) per adapted Linear."""
+        shapes = self.projections()
+        return self.num_layers * sum(rank * (shapes[t][0] + shapes[t][1]) for t in targets if t in shapes)
+
+    def linear_parameters(self) -> int:
+        """Weights of the decoder's Linear layers (what NF4 quantizes; embeddings, head and norms stay)."""
+        return self.num_layers * sum(a * b for a, b in self.projections().values())
 
     @classmethod
     def from_hf_config(cls, config: dict, name: str = "custom") -> "ModelShape":
@@ -93,6 +114,8 @@ class MemoryPlan:
     rollout_during_training: float = 0.0  # what the rollout engine keeps while the policy trains
     host_optimizer_states: float = 0.0  # ZeRO-Offload: the optimizer states in host memory, per rank
     rollout_engine: str = "separate"  # vllm | hf-shared | hf-copy | separate (the plain model-level plan)
+    trainable_parameters: int = 0  # LoRA: the adapters; else every parameter
+    host_activations: float = 0.0  # trainer.offload_activations: the checkpointed layer inputs, in host memory
 
     @property
     def training_resident(self) -> float:
@@ -131,7 +154,8 @@ class MemoryPlan:
 def plan_memory(model: ModelShape, *, gpus: int, tokens_per_gpu: int, zero_stage: int = 3,
                 gpu_memory_gib: float = 80.0, rollout_tp: int = 2, kv_tokens_per_gpu: int | None = None,
                 gradient_checkpointing: bool = True, offload_optimizer: bool = False,
-                workspace_mb: float = 256.0) -> MemoryPlan:
+                workspace_mb: float = 256.0, lora_rank: int = 0, quantization: str = "none",
+                offload_activations: bool = False) -> MemoryPlan:
     """Per-GPU bytes of each part of a colocated RL step.
 
     ZeRO stage s shards the fp32 optimizer states (12 bytes/parameter: master, m, v) for s ≥ 1, the bf16
@@ -145,6 +169,11 @@ def plan_memory(model: ModelShape, *, gpus: int, tokens_per_gpu: int, zero_stage
     (fastcov): O(T) statistics (4 fp32 per token) and the backward's dZ workspace, min(budget, T·V·2)
     (docs/kernels.md). Rollout: bf16 weights split over `rollout_tp` GPUs and a bf16 KV cache of
     2·L·kv_heads·head_dim·2 bytes per token for `kv_tokens_per_gpu` tokens (default: tokens_per_gpu).
+    LoRA (`lora_rank` > 0): the base is frozen (bf16, or NF4 for its decoder Linears with `quantization`
+    "4bit": ``NF4_BYTES`` per weight), only the adapters (r·(in + out) per projection) have gradients
+    and optimizer states; the recomputed layer also holds the adapters' T·r intermediates.
+    `offload_activations`: the checkpointed layer inputs live in host memory; the GPU holds two (the one
+    in use and the one in flight).
     """
     if model is None:
         raise ValueError("model is required")
@@ -159,14 +188,17 @@ def plan_memory(model: ModelShape, *, gpus: int, tokens_per_gpu: int, zero_stage
     t, h, i, v, layers = tokens_per_gpu, model.hidden_size, model.intermediate_size, model.vocab_size, model.num_layers
     if offload_optimizer and zero_stage < 1:
         raise ValueError("offload_optimizer needs zero_stage >= 1")
-    parameters = 2 * psi / (gpus if zero_stage == 3 else 1)
-    gradients = 2 * psi / (gpus if zero_stage >= 2 else 1)
-    optimizer = 12 * psi / (gpus if zero_stage >= 1 else 1)
+    _check_lora(lora_rank, quantization, zero_stage, offload_activations, gradient_checkpointing)
+    trainable = model.lora_parameters(lora_rank) if lora_rank else psi
+    parameters = _weight_bytes(model, lora_rank, quantization) / (gpus if zero_stage == 3 else 1)
+    gradients = 2 * trainable / (gpus if zero_stage >= 2 else 1)
+    optimizer = 12 * trainable / (gpus if zero_stage >= 1 else 1)
     host_optimizer = optimizer if offload_optimizer else 0.0
     optimizer = 0.0 if offload_optimizer else optimizer
-    layer_working_set = t * (10 * h + 4 * i) * 2
+    layer_working_set = t * (10 * h + 4 * i + len(LORA_PROJECTIONS) * lora_rank) * 2
+    host_activations = layers * t * h * 2 if offload_activations else 0.0
     if gradient_checkpointing:
-        activations = layers * t * h * 2 + layer_working_set
+        activations = (2 if offload_activations else layers) * t * h * 2 + layer_working_set
     else:
         activations = layers * layer_working_set
     logits_naive = t * v * (2 + 4 + 4)
@@ -179,8 +211,28 @@ def plan_memory(model: ModelShape, *, gpus: int, tokens_per_gpu: int, zero_stage
         logits_naive=logits_naive, logits_fused=logits_fused,
         rollout_weights=2 * psi / rollout_tp, rollout_kv_cache=kv_tokens * kv_per_token,
         gpu_memory=gpu_memory_gib * GIB, zero3_gathered=2 * v * h * 2 if zero_stage == 3 else 0.0,
-        host_optimizer_states=host_optimizer,
+        host_optimizer_states=host_optimizer, trainable_parameters=trainable, host_activations=host_activations,
     )
+
+
+def _check_lora(rank: int, quantization: str, zero_stage: int, offload_activations: bool, checkpointing: bool) -> None:
+    if not isinstance(rank, int) or rank < 0:
+        raise ValueError(f"lora_rank must be an int >= 0, got {rank!r}")
+    if quantization not in ("none", "4bit"):
+        raise ValueError(f"quantization must be 'none' or '4bit', got {quantization!r}")
+    if quantization == "4bit" and (rank == 0 or zero_stage == 3):
+        raise ValueError("quantization 4bit needs lora_rank > 0 (QLoRA) and zero_stage <= 2")
+    if offload_activations and not checkpointing:
+        raise ValueError("offload_activations moves gradient checkpointing's layer inputs: needs checkpointing")
+
+
+def _weight_bytes(model: ModelShape, lora_rank: int, quantization: str) -> float:
+    """The policy's weights on the GPU: bf16, or the decoder's Linears in NF4; plus bf16 adapters."""
+    psi = model.num_parameters()
+    if quantization != "4bit":
+        return 2 * psi + 2 * model.lora_parameters(lora_rank) * (lora_rank > 0)
+    linear = model.linear_parameters()
+    return NF4_BYTES * linear + 2 * (psi - linear) + 2 * model.lora_parameters(lora_rank)
 
 
 # vLLM after a level-2 sleep keeps neither weights nor KV cache; its CUDA graphs and allocator pool stay.
@@ -227,7 +279,10 @@ def plan_recipe(cfg, gpus: int = 8, gpu_memory_gib: float = 80.0, workspace_mb: 
                        rollout_tp=r.vllm_tensor_parallel_size if r.engine == "vllm" else 1,
                        kv_tokens_per_gpu=kv_tokens,
                        gradient_checkpointing=cfg.model.gradient_checkpointing,
-                       offload_optimizer=t.offload_optimizer, workspace_mb=workspace_mb)
+                       offload_optimizer=t.offload_optimizer, workspace_mb=workspace_mb,
+                       lora_rank=getattr(cfg.model, "lora_rank", 0),
+                       quantization=getattr(cfg.model, "quantization", "none"),
+                       offload_activations=getattr(t, "offload_activations", False))
     if r.engine == "vllm" and r.vllm_mode == "colocated":
         plan.rollout_engine = "vllm"
         share = r.vllm_gpu_memory_utilization * gpu_memory_gib * GIB
@@ -249,7 +304,7 @@ def plan_recipe(cfg, gpus: int = 8, gpu_memory_gib: float = 80.0, workspace_mb: 
 def format_plan(plan: MemoryPlan) -> str:
     gib = lambda x: f"{x / GIB:9.2f} GiB"  # noqa: E731
     rows = [
-        ("parameters (bf16)", plan.parameters),
+        ("parameters (bf16; NF4 base with 4bit)", plan.parameters),
         ("gradients (bf16)", plan.gradients),
         ("optimizer states (fp32 master + Adam)", plan.optimizer_states),
         ("activations (checkpointed)", plan.activations),
@@ -265,8 +320,13 @@ def format_plan(plan: MemoryPlan) -> str:
     ]
     if plan.host_optimizer_states:
         rows.append(("host memory: optimizer states (offloaded)", plan.host_optimizer_states))
+    if plan.host_activations:
+        rows.append(("host memory: checkpointed activations", plan.host_activations))
+    trains = ""
+    if plan.trainable_parameters and plan.trainable_parameters != plan.num_parameters:
+        trains = f" ({plan.trainable_parameters / 1e6:.1f}M trainable: LoRA)"
     lines = [
-        f"{plan.model}: {plan.num_parameters / 1e9:.2f}B parameters, {plan.gpus} GPUs, ZeRO-{plan.zero_stage}, "
+        f"{plan.model}: {plan.num_parameters / 1e9:.2f}B parameters{trains}, {plan.gpus} GPUs, ZeRO-{plan.zero_stage}, "
         f"{plan.tokens_per_gpu} tokens per GPU",
         "per GPU:",
     ]
@@ -293,6 +353,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-tokens", type=int, default=None,
                         help="tokens held in the rollout KV cache per GPU (default: --tokens-per-gpu)")
     parser.add_argument("--no-checkpointing", action="store_true", help="plan without gradient checkpointing")
+    parser.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank, base frozen (0: off)")
+    parser.add_argument("--quantization", choices=("none", "4bit"), default="none",
+                        help="4bit: the frozen base's Linear layers in NF4 (QLoRA; needs --lora-rank)")
+    parser.add_argument("--offload-activations", action="store_true",
+                        help="checkpointed layer inputs in host memory (trainer.offload_activations)")
+    parser.add_argument("--max-response", action="store_true",
+                        help="the longest response that fits: one GPU's training pass over one sequence and "
+                             "the HF engine's KV cache for --rollouts of them, sharing the policy's weights")
+    parser.add_argument("--rollouts", type=int, default=8, help="--max-response: rollouts per prompt (default 8)")
+    parser.add_argument("--prompt-len", type=int, default=512, help="--max-response: prompt tokens (default 512)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -345,8 +415,66 @@ def _plan_config(args: argparse.Namespace) -> MemoryPlan:
     return plan_recipe(cfg, gpus=gpus, gpu_memory_gib=args.gpu_memory)
 
 
+def plan_response(model: ModelShape, response: int, *, prompt_len: int = 512, rollouts: int = 8,
+                  gpu_memory_gib: float = 80.0, **kw) -> MemoryPlan:
+    """One GPU, ZeRO-0, the HF engine sampling from the policy's own module: the training pass holds one
+    sequence of ``prompt_len + response`` tokens, the KV cache ``rollouts`` of them."""
+    seq = prompt_len + response
+    plan = plan_memory(model, gpus=1, tokens_per_gpu=seq, zero_stage=0, gpu_memory_gib=gpu_memory_gib,
+                       kv_tokens_per_gpu=rollouts * seq, **kw)
+    plan.rollout_engine, plan.rollout_weights = "hf-shared", 0.0
+    return plan
+
+
+def max_response(model: ModelShape, *, prompt_len: int = 512, rollouts: int = 8, gpu_memory_gib: float = 80.0,
+                 **kw) -> tuple[int, MemoryPlan | None]:
+    """The longest response (tokens) whose ``plan_response`` fits, by bisection; (0, None) if none does."""
+    def fits(r: int) -> bool:
+        return plan_response(model, r, prompt_len=prompt_len, rollouts=rollouts, gpu_memory_gib=gpu_memory_gib,
+                             **kw).fits()
+
+    if not fits(1):
+        return 0, None
+    lo, hi = 1, 2
+    while fits(hi):
+        lo, hi = hi, hi * 2
+        if hi > 1 << 30:
+            break
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo, plan_response(model, lo, prompt_len=prompt_len, rollouts=rollouts, gpu_memory_gib=gpu_memory_gib, **kw)
+
+
+def _run_max_response(args: argparse.Namespace) -> int:
+    if args.gpus not in (None, 1):
+        raise ValueError("--max-response plans one GPU: give --gpus 1 (or leave it out)")
+    if args.rollouts < 1 or args.prompt_len < 0:
+        raise ValueError("--rollouts must be >= 1 and --prompt-len >= 0")
+    model = load_model_shape(args.model)
+    kw = {"lora_rank": args.lora_rank, "quantization": args.quantization,
+          "offload_activations": args.offload_activations, "gradient_checkpointing": not args.no_checkpointing}
+    best, plan = max_response(model, prompt_len=args.prompt_len, rollouts=args.rollouts,
+                              gpu_memory_gib=args.gpu_memory, **kw)
+    if plan is None:
+        print(f"{model.name}: not even a 1-token response fits {args.gpu_memory:g} GiB")
+        return 1
+    if args.json:
+        print(json.dumps({"max_response": best, "rollouts": args.rollouts, "prompt_len": args.prompt_len,
+                          **plan.to_dict()}, indent=2))
+        return 0
+    print(f"longest response on one {args.gpu_memory:g} GiB GPU: {best} tokens x {args.rollouts} rollouts per "
+          f"prompt ({args.prompt_len}-token prompt); the plan at that length:")
+    print(format_plan(plan))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     try:
+        if args.max_response:
+            if args.model is None:
+                raise ValueError("--max-response needs --model")
+            return _run_max_response(args)
         if args.config:
             plan = _plan_config(args)
             print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
@@ -358,7 +486,9 @@ def run(args: argparse.Namespace) -> int:
         model = load_model_shape(args.model)
         plan = plan_memory(model, gpus=args.gpus, tokens_per_gpu=args.tokens_per_gpu, zero_stage=args.zero,
                            gpu_memory_gib=args.gpu_memory, rollout_tp=args.rollout_tp,
-                           kv_tokens_per_gpu=args.kv_tokens, gradient_checkpointing=not args.no_checkpointing)
+                           kv_tokens_per_gpu=args.kv_tokens, gradient_checkpointing=not args.no_checkpointing,
+                           lora_rank=args.lora_rank, quantization=args.quantization,
+                           offload_activations=args.offload_activations)
     except ValueError as exc:
         from fastcov.errors import UsageError
 

@@ -122,7 +122,7 @@ def test_plan_of_a_recipe_changes_with_it(tmp_path):
     from fastcov.plan import plan_recipe
     from fastcov.trainer.config import load_config
 
-    path = next(p for p in RECIPES if "32b-kl-cov" in p)
+    path = next(p for p in RECIPES if p.endswith("32b-kl-cov.yaml"))
     assert not plan_recipe(load_config(path, ["trainer.offload_optimizer=false"]), gpus=8).fits()
     assert plan_recipe(load_config(path, ["trainer.offload_optimizer=false"]), gpus=32).fits()
     hf = plan_recipe(load_config(path, ["rollout.engine=hf"]), gpus=8)
@@ -135,3 +135,84 @@ def test_plan_of_a_recipe_changes_with_it(tmp_path):
     assert budgeted.rollout_kv_cache == pytest.approx(65536 * per_token)
     per_rank = plan_recipe(load_config(path, ["rollout.engine=hf", "rollout.hf_copies=rank"]), gpus=8)
     assert per_rank.rollout_kv_cache == pytest.approx(hf.rollout_kv_cache / 8)
+
+
+# ----------------------------------------------------------------------------------------- LoRA, QLoRA, offload
+
+def test_lora_terms_by_hand():
+    from fastcov.plan import NF4_BYTES
+
+    model = QWEN25["qwen2.5-7b"]
+    h, kv, i, r = 3584, 512, 18944, 32
+    per_layer = r * ((h + h) + 2 * (h + kv) + (h + h) + 2 * (h + i) + (i + h))
+    lora = 28 * per_layer
+    assert model.lora_parameters(r) == lora
+    psi = model.num_parameters()
+    plan = plan_memory(model, gpus=1, tokens_per_gpu=4096, zero_stage=0, lora_rank=r)
+    assert plan.trainable_parameters == lora
+    assert plan.parameters == 2 * psi + 2 * lora  # frozen bf16 base + bf16 adapters
+    assert plan.gradients == 2 * lora and plan.optimizer_states == 12 * lora  # only the adapters train
+    linear = 28 * (h * h * 2 + h * kv * 2 + 3 * h * i)
+    q = plan_memory(model, gpus=1, tokens_per_gpu=4096, zero_stage=0, lora_rank=r, quantization="4bit")
+    assert q.parameters == NF4_BYTES * linear + 2 * (psi - linear) + 2 * lora
+    assert q.parameters < 0.4 * plan.parameters
+    full = plan_memory(model, gpus=1, tokens_per_gpu=4096, zero_stage=0)
+    assert full.parameters == 2 * psi and full.trainable_parameters == psi  # lora_rank 0: as before
+
+
+def test_activation_offload_moves_the_checkpoints_to_the_host():
+    model = QWEN25["qwen2.5-7b"]
+    on = plan_memory(model, gpus=1, tokens_per_gpu=8192, zero_stage=0, lora_rank=16, offload_activations=True)
+    off = plan_memory(model, gpus=1, tokens_per_gpu=8192, zero_stage=0, lora_rank=16)
+    assert on.host_activations == 28 * 8192 * 3584 * 2
+    assert off.activations - on.activations == (28 - 2) * 8192 * 3584 * 2
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"lora_rank": -1}, "lora_rank"), ({"quantization": "4bit"}, "needs lora_rank"),
+    ({"lora_rank": 8, "quantization": "3bit"}, "quantization"),
+    ({"lora_rank": 8, "offload_activations": True, "gradient_checkpointing": False}, "needs checkpointing"),
+])
+def test_bad_lora_plans(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        plan_memory(QWEN25["qwen2.5-7b"], gpus=1, tokens_per_gpu=1024, zero_stage=0, **kwargs)
+
+
+def test_max_response_is_the_longest_that_fits():
+    from fastcov.plan import max_response, plan_response
+
+    model = QWEN25["qwen2.5-7b"]
+    kw = {"lora_rank": 32, "quantization": "4bit"}
+    best, plan = max_response(model, **kw)
+    assert plan is not None and plan.fits() and plan.tokens_per_gpu == 512 + best
+    assert not plan_response(model, best + 1, **kw).fits()
+    assert plan.rollout_kv_cache == 8 * (512 + best) * 2 * 28 * 4 * 128 * 2  # 8 rollouts' KV cache
+    assert max_response(model, lora_rank=32)[0] < best  # a bf16 base leaves less room than NF4
+    assert max_response(QWEN25["qwen2.5-32b"], **kw)[0] < best
+    assert max_response(QWEN25["qwen2.5-72b"], lora_rank=32)[0] == 0  # 145 GB of bf16 weights
+
+
+def test_max_response_cli(capsys):
+    assert main(["plan", "--model", "qwen2.5-7b", "--gpus", "1", "--lora-rank", "32", "--quantization", "4bit",
+                 "--max-response"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("longest response on one 80 GiB GPU: ") and "x 8 rollouts per prompt" in out
+    for term in ("parameters", "gradients", "optimizer states", "activations", "rollout KV cache"):
+        assert term in out
+    assert main(["plan", "--model", "qwen2.5-7b", "--gpus", "1", "--lora-rank", "32", "--max-response",
+                 "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["max_response"] > 0 and data["rollouts"] == 8 and data["fits"]
+    assert main(["plan", "--model", "qwen2.5-7b", "--gpus", "2", "--max-response"]) == 2
+    assert "--max-response plans one GPU" in capsys.readouterr().err
+
+
+def test_plan_of_a_lora_recipe_counts_the_adapters_only():
+    from fastcov.plan import plan_recipe
+    from fastcov.trainer.config import load_config
+
+    cfg = load_config("configs/qwen2.5-7b-kl-cov-lora.yaml")
+    plan = plan_recipe(cfg, gpus=1)
+    assert cfg.model.lora_rank > 0 and plan.trainable_parameters == QWEN25["qwen2.5-7b"].lora_parameters(
+        cfg.model.lora_rank)
+    assert plan.fits()
