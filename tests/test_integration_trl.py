@@ -245,3 +245,29 @@ def test_missing_trl_gives_a_clear_import_error(monkeypatch):
     monkeypatch.delitem(sys.modules, "fastcov.integrations.trl")
     with pytest.raises(ImportError, match=r"pip install 'fastcov\[trl\]'"):
         importlib.import_module("fastcov.integrations.trl")
+
+
+# ---------------------------------------------------------------- LoRA through TRL's peft_config
+
+@pytest.mark.parametrize("beta", [0.0, 0.1])
+def test_peft_config_trains_only_the_adapters(tmp_path, beta):
+    """With a ``peft_config`` the policy is TRL's PeftModel: fastcov's fused head runs under the adapters,
+    only they move, and the KL reference (beta > 0) is the base with the adapters disabled, not a copy."""
+    peft = pytest.importorskip("peft")
+    prompts = ["12+7=", "3*4="]
+    trainer = FastcovGRPOTrainer(
+        model=tiny_model(), reward_funcs=reward_digits, args=make_args(tmp_path, beta=beta),
+        train_dataset=datasets.Dataset.from_dict({"prompt": prompts}), processing_class=tiny_tokenizer(),
+        peft_config=peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"]),
+    )
+    assert trainer.ref_model is None  # TRL scores the reference with model.disable_adapter()
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    result = trainer.train()
+    assert trainer.state.global_step == 1 and math.isfinite(result.training_loss)
+    changed = {n for n, p in trainer.model.named_parameters() if not torch.equal(before[n], p.detach())}
+    assert changed and all(".lora_" in n for n in changed), sorted(changed)[:3]
+    assert any(n.endswith("lm_head.weight") for n in before)  # the frozen head is there, unchanged
+    logs = next(entry for entry in trainer.state.log_history if "fastcov/ppo_kl" in entry)
+    assert math.isfinite(logs["fastcov/ppo_kl"])
+    if beta:
+        assert math.isfinite(logs["kl"])

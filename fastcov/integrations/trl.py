@@ -35,6 +35,11 @@ Refused (ValueError naming the option): loss_type cispo / sapo / vespo / luspo, 
 control), vLLM importance-sampling correction (fastcov's loss has no per-token weight), MoE router aux loss,
 multimodal inputs, FSDP (the fused kernel reads ``lm_head.weight`` whole in its backward).
 
+LoRA: pass ``peft_config=peft.LoraConfig(...)`` as to ``GRPOTrainer``. TRL wraps the policy in a PeftModel; the
+fused head runs on its base model's decoder (adapters active), only the adapters train, and with ``beta > 0`` the
+reference log-probs are the same model's with the adapters disabled (TRL's ``disable_adapter()``), not a second
+copy. Keep ``lm_head`` out of ``target_modules``: the fused kernel needs the head as a plain ``nn.Linear``.
+
 DeepSpeed ZeRO-3: the head's weight (and bias) are registered as external parameters of the policy (and of the
 reference model), so ZeRO-3 gathers them for the forward that runs the fused kernel and again for its backward
 (``add_fastcov_head(..., zero3=True)``); ZeRO-1/2 and DDP need nothing.
