@@ -182,3 +182,55 @@ def test_head_listed_trains_in_full(tmp_path):
                       cfg, torch.float32)
     assert type(lm.lm_head) is torch.nn.Linear and lm.lm_head.weight.requires_grad
     assert "lm_head.weight" in adapter_state_dict(lm)
+
+
+# ---------------------------------------------------------------------------------------- activation offload
+
+def test_activation_offload_on_cpu_is_a_no_op_said_once(monkeypatch):
+    import contextlib
+
+    from fastcov.trainer.runtime import offload
+
+    monkeypatch.setattr(offload, "_said_once", False)
+    with pytest.warns(UserWarning, match="trainer.offload_activations: this run is on the CPU") as record:
+        assert offload.activation_offload(True, torch.device("cpu")) is contextlib.nullcontext
+        offload.activation_offload(True, torch.device("cpu"))
+    assert len([w for w in record if "offload_activations" in str(w.message)]) == 1
+    assert offload.activation_offload(False, torch.device("cuda")) is contextlib.nullcontext
+
+
+def test_offloaded_activations_give_the_same_gradients():
+    """The offload path itself (forced on CPU): saved tensors leave for host copies and come back for the
+    backward; the gradients of a checkpointed LoRA model are the ones without it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fastcov.trainer.runtime.lora import add_adapters
+    from fastcov.trainer.runtime.model import PolicyModel
+    from fastcov.trainer.runtime.offload import activation_offload
+
+    cfg = load_config(TINY, [*LORA, "model.gradient_checkpointing=true", "trainer.offload_activations=true"])
+    arch = {k: v for k, v in cfg.model.arch.items() if k != "model_type"}
+    torch.manual_seed(0)
+    lm = add_adapters(AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen2", vocab_size=50, **arch)),
+                      cfg.model, torch.float32)
+    for n, p in lm.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p)
+    lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    lm.train()
+    policy = PolicyModel(lm)
+    ids = torch.randint(0, 50, (2, 9))
+    labels = ids.roll(-1, 1)
+    grads = []
+    for ctx in (activation_offload(False, torch.device("cpu")),
+                activation_offload(True, torch.device("cpu"), force=True)):
+        lm.zero_grad()
+        made = ctx()
+        assert isinstance(made, torch.autograd.graph.save_on_cpu) == (len(grads) == 1)  # the second pass offloads
+        with made:
+            out = policy(ids, torch.ones_like(ids), labels)
+        (out.logprob.sum() + out.entropy.sum()).backward()
+        grads.append({n: p.grad.clone() for n, p in lm.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for n in grads[0]:
+        torch.testing.assert_close(grads[0][n], grads[1][n], rtol=0, atol=0)

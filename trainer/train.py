@@ -72,6 +72,7 @@ from fastcov.trainer.runtime.model import (
     load_tokenizer,
     use_liger,
 )
+from fastcov.trainer.runtime.offload import activation_offload
 from fastcov.trainer.runtime.policy import DeepSpeedPolicy, ds_config, lr_at
 from fastcov.trainer.runtime.precision import param_dtype
 from fastcov.trainer.runtime.run_dir import (
@@ -240,6 +241,7 @@ def update_policy(engine, seqs: list[Sequence], kept_groups: list[int], cfg: Con
     global_scope = a.scope == "global"
     needs_selection = get_policy_loss(a.mode).selector is not None or loss_cfg.high_entropy_fraction is not None
     engine.train()
+    offloaded = activation_offload(cfg.trainer.offload_activations, device)  # a null context unless asked
     n_mini = min(a.mini_batches, max(1, len(kept_groups)))
     group_chunks = [kept_groups[j::n_mini] for j in range(n_mini)] if kept_groups else [[]]
     stats = UpdateStats(n_mini=n_mini)
@@ -256,7 +258,8 @@ def update_policy(engine, seqs: list[Sequence], kept_groups: list[int], cfg: Con
                                                  reuse_old=epoch == 0 and m == 0)
             poisoned = False
             for j, mb in enumerate(mbs):
-                res = forward(engine, mb, cfg.rollout.temperature, vocab_cov=a.cov_score == "vocab")
+                with offloaded():
+                    res = forward(engine, mb, cfg.rollout.temperature, vocab_cov=a.cov_score == "vocab")
                 mb_selection = None
                 if selection is not None:
                     mb_selection = Selection(*(None if x is None else mb.from_sequences(x)
