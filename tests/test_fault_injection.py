@@ -2,7 +2,8 @@
 
 The run is the tiny config of tests/test_trainer_e2e.py (checkpoint every step). Kills land at random
 moments (anywhere in rollout, update, evaluation, checkpoint or metrics writes) and at chosen points:
-half-way through a metrics line (a torn last line), after a checkpoint is written but before it is
+half-way through a metrics line (a torn last line), inside the atomic rewrite of a run file, after a
+checkpoint is written but before it is
 published, inside DeepSpeed's checkpoint save, right after a publish, during the final export. After each
 kill the run is resumed (or, if no checkpoint was published yet, restarted with --overwrite). The end
 state must equal an uninterrupted run's: the exported parameters bit for bit, and metrics.jsonl with
@@ -73,6 +74,8 @@ wrap(train_mod, "write_checkpoint", "after_write")         # written + fsynced, 
 wrap(train_mod, "publish_checkpoint", "after_publish")     # published, nothing after it done
 wrap(engine_mod.DeepSpeedPolicy, "save", "in_ds_save")        # DeepSpeed files written, RNG/state not
 wrap(train_mod, "export_final", "in_export", before=True)  # the last checkpoint is out, final/ is not
+# inside a rewrite of a run file (config.yaml, metrics.jsonl's trim on resume): new bytes on disk, not yet renamed
+ckpt_mod.REWRITE_HOOKS.append(lambda path, at: at == "written" and hit("in_rewrite") and die())
 real_log = metrics_mod.MetricsLogger.log
 def log(self, record):
     if hit("torn_metrics"):
@@ -158,8 +161,8 @@ def reference(tmp_path_factory):
 
 def _plan(seed: int):
     """Endless kill schedule: the chosen points (which a random kill rarely hits) between random moments."""
-    chosen = ["torn_metrics:3", "after_write:2", "in_ds_save:2", "after_publish:3", "in_export:1",
-              "torn_metrics:2", "after_write:1", "in_ds_save:3"]
+    chosen = ["torn_metrics:3", "in_rewrite:1", "after_write:2", "in_ds_save:2", "after_publish:3", "in_export:1",
+              "torn_metrics:2", "in_rewrite:2", "after_write:1", "in_ds_save:3"]
     rng = random.Random(seed)
     i = 0
     while True:

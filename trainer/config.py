@@ -22,7 +22,6 @@ from typing import Any, Literal
 from fastcov.errors import ConfigError, UserError  # noqa: F401 - ConfigError re-exported
 from fastcov.losses import LossConfig
 
-
 # The attention and MLP projections of Qwen2/Llama-style decoders: model.lora_targets' default.
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -255,7 +254,10 @@ class TrainerConfig:
     # Sample eval_k responses at eval_temperature for every data source (pass@k, diversity for all).
     eval_sample_all: bool = False
     eval_max_new_tokens: int | None = None  # None: rollout.max_new_tokens
-    save_every: int = 0  # 0 = only at the end and on Ctrl-C
+    save_every: int = 0  # 0 = only at the end and on Ctrl-C (and by save_every_minutes)
+    # A checkpoint at the first step end this many minutes after the last one (0 = off): a crash loses at
+    # most this much work whatever save_every is.
+    save_every_minutes: float = 30.0
     # Gradient checkpointing's saved layer inputs go to pinned host memory during the forward and come
     # back for the backward (needs model.gradient_checkpointing; on CPU there is nowhere to offload to: a no-op).
     offload_activations: bool = False
@@ -567,6 +569,7 @@ def _validate_optim_trainer(o: OptimConfig, t: TrainerConfig) -> None:
     _check(t.eval_every >= 0, "trainer.eval_every", "must be >= 0")
     _check(t.eval_k >= 1, "trainer.eval_k", "must be >= 1")
     _check(t.save_every >= 0, "trainer.save_every", "must be >= 0")
+    _check(t.save_every_minutes >= 0, "trainer.save_every_minutes", "must be >= 0 (0 = off)")
     _check(t.keep_last >= 1, "trainer.keep_last", "must be >= 1")
 
 

@@ -37,9 +37,9 @@ import torch
 import torch.distributed as dist
 
 from fastcov.advantages import dapo_filter, get_advantage
-from fastcov.errors import one_line
+from fastcov.errors import UserError, one_line
 from fastcov.losses import LossConfig, Selection, compute_global_selection, get_policy_loss, policy_loss
-from fastcov.trainer.config import Config, ConfigError, positive_weight_schedule, save_config
+from fastcov.trainer.config import Config, ConfigError, positive_weight_schedule
 from fastcov.trainer.data.loading import PromptSampler, load_train_val, prepare_data
 from fastcov.trainer.evaluation import evaluate
 from fastcov.trainer.rewards import REWARD_TASKS, RewardFn  # noqa: F401 - RewardFn: the name tests patch
@@ -51,6 +51,7 @@ from fastcov.trainer.runtime.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
     publish_checkpoint,
+    write_atomic,
     write_checkpoint,
 )
 from fastcov.trainer.runtime.distributed import (
@@ -58,6 +59,7 @@ from fastcov.trainer.runtime.distributed import (
     all_max,
     all_reduce_,
     all_sum,
+    broadcast_text,
     init_distributed,
     pick_device,
     world_size,
@@ -77,8 +79,11 @@ from fastcov.trainer.runtime.policy import DeepSpeedPolicy, ds_config, lr_at
 from fastcov.trainer.runtime.precision import param_dtype
 from fastcov.trainer.runtime.run_dir import (
     CONFIG,
+    RunDirBusy,
+    RunDirLock,
     check_run_dir,
     checkpoints_dir,
+    io_error,
     metrics_path,
     prepare_run_dir,
     trim_metrics,
@@ -458,6 +463,7 @@ class Run:
     logger: Any = None
     pbar: Any = None
     warned: dict[str, bool] = field(default_factory=lambda: {"empty_band": False})
+    last_save: float = field(default_factory=lambda: time.monotonic())  # for trainer.save_every_minutes
     synced: bool = False  # a first weight sync has happened (LoRA: later ones send the adapters only)
 
     @property
@@ -497,7 +503,29 @@ class Run:
                 "lambda": self.lam_sched.state_dict() if self.lam_sched is not None else None, "world": self.world}
 
 
-def _check_and_prepare(cfg: Config, resume, overwrite: bool):
+class RunIOError(UserError):
+    """A run file that cannot be written mid-run (disk full, permissions): the run stops, exit status 1,
+    with the path and the last intact checkpoint; nothing published is damaged."""
+
+    exit_code = 1
+
+
+def hold_run_dir(run_dir: Path, rank: int) -> RunDirLock | None:
+    """Rank 0 takes the run directory's lock before anything is written; every rank stops with its one-line
+    error when it cannot (another live run holds the directory, or it cannot be written)."""
+    lock, why = None, ""
+    if rank == 0 and not (run_dir.exists() and not run_dir.is_dir()):  # a file: check_run_dir says so
+        try:
+            lock = RunDirLock.acquire(run_dir)
+        except UserError as exc:
+            why = str(exc)
+    why = broadcast_text(why)
+    if why:
+        raise (RunDirBusy if "is in use by" in why else UserError)(why)
+    return lock
+
+
+def _check_and_prepare(cfg: Config, resume, overwrite: bool, closing: contextlib.ExitStack):
     """Setup up to the first write. Everything a user can get wrong is checked before it: nothing on disk
     changes when a run stops with a user error (bad run dir, --resume target, model path, data file).
     Returns (device, rank, world, resume_path, tokenizer, train_set, val_set, data_stats)."""
@@ -512,6 +540,20 @@ def _check_and_prepare(cfg: Config, resume, overwrite: bool):
     if t.prompts_per_step % world:
         raise ConfigError(f"trainer.prompts_per_step: {t.prompts_per_step} is not divisible by the "
                           f"{world} data-parallel ranks; pick a multiple of {world}")
+    run_dir = Path(t.run_dir)
+    lock = hold_run_dir(run_dir, rank)
+    try:
+        out = _checked_setup(cfg, resume, overwrite, device, rank, world, lock)
+    except BaseException:
+        if lock is not None:
+            lock.abandon()  # a user error leaves the disk as it was
+        raise
+    closing.callback(out[-1].release if out[-1] is not None else lambda: None)
+    return out[:-1]
+
+
+def _checked_setup(cfg: Config, resume, overwrite: bool, device, rank: int, world: int, lock):
+    t = cfg.trainer
     run_dir = Path(t.run_dir)
     resume_path = check_run_dir(run_dir, resume, overwrite, rank)
     check_model_source(cfg.model)
@@ -528,13 +570,17 @@ def _check_and_prepare(cfg: Config, resume, overwrite: bool):
     if not cfg.data.synthetic.enabled:  # the user's files, read (and checked) before any write
         train_set, val_set, data_stats = load_train_val(cfg, tokenizer, *prepare_data(cfg, tokenizer, run_dir, rank))
     if rank == 0:
-        prepare_run_dir(run_dir, overwrite)
+        try:
+            if prepare_run_dir(run_dir, overwrite) is not None:
+                lock = lock.moved_to(run_dir)  # the old run went aside with its lock file
+        except OSError as exc:
+            raise io_error(run_dir, exc) from None
     dist.barrier()
     if cfg.data.synthetic.enabled:
         train_files, val_files = prepare_data(cfg, tokenizer, run_dir, rank)
         dist.barrier()
         train_set, val_set, data_stats = load_train_val(cfg, tokenizer, train_files, val_files)
-    return device, rank, world, resume_path, tokenizer, train_set, val_set, data_stats
+    return device, rank, world, resume_path, tokenizer, train_set, val_set, data_stats, lock
 
 
 def _build(cfg: Config, device: torch.device, rank: int, world: int, tokenizer, closing: contextlib.ExitStack):
@@ -590,7 +636,7 @@ def start_run(cfg: Config, resume, overwrite: bool, closing: contextlib.ExitStac
     """Checks, data, policy, rollout engine, rewards, RNG, a resumed state, the metrics log, a progress bar."""
     t, a = cfg.trainer, cfg.algo
     device, rank, world, resume_path, tokenizer, train_set, val_set, data_stats = _check_and_prepare(
-        cfg, resume, overwrite)
+        cfg, resume, overwrite, closing)
     engine, rollout, reward_fn, token_adv = _build(cfg, device, rank, world, tokenizer, closing)
     seed_everything(t.seed + 1000 * rank)
     gens = {"sample": torch.Generator(device=device).manual_seed(t.seed * 1_000_003 + rank),
@@ -602,10 +648,7 @@ def start_run(cfg: Config, resume, overwrite: bool, closing: contextlib.ExitStac
     if resume_path is not None:
         _resume(run, resume_path)
     if rank == 0:
-        save_config(cfg, run.run_dir / CONFIG)
-        run.logger = MetricsLogger(run.run_dir, cfg.to_dict(), t.tensorboard, t.wandb, t.wandb_project,
-                                   resume_step=run.step if resume_path is not None else None)
-        closing.callback(run.logger.close)
+        _open_run_files(run, resume_path is not None, closing)
         print(f"[fastcov] run {run.run_dir}: {len(train_set)} train / {len(val_set)} val prompts "
               f"({json.dumps(data_stats)}), world {world}, device {device}, zero {t.zero_stage}, "
               f"mode {a.mode}", flush=True)
@@ -617,6 +660,20 @@ def start_run(cfg: Config, resume, overwrite: bool, closing: contextlib.ExitStac
                             mininterval=0.1 if sys.stderr.isatty() else 30.0)
             closing.callback(run.pbar.close)
     return run
+
+
+def _open_run_files(run: Run, resumed: bool, closing: contextlib.ExitStack) -> None:
+    """Rank 0: config.yaml (rewritten atomically) and the metrics log; one line if the directory refuses."""
+    import yaml
+
+    t = run.cfg.trainer
+    try:
+        write_atomic(run.run_dir / CONFIG, yaml.safe_dump(run.cfg.to_dict(), sort_keys=False).encode())
+        run.logger = MetricsLogger(run.run_dir, run.cfg.to_dict(), t.tensorboard, t.wandb, t.wandb_project,
+                                   resume_step=run.step if resumed else None)
+    except OSError as exc:
+        raise io_error(getattr(exc, "filename", None) or run.run_dir, exc) from None
+    closing.callback(run.logger.close)
 
 
 def score_and_update(run: Run, col: Collected, rec: dict) -> tuple[UpdateStats, list[float], float]:
@@ -692,6 +749,28 @@ def step_metrics(run: Run, col: Collected, upd: UpdateStats, old: list[float], l
     return p_sum + len_sum
 
 
+def _save_is_due(run: Run) -> bool:
+    """``trainer.save_every_minutes`` since the last checkpoint (rank 0's clock decides for every rank)."""
+    minutes = run.cfg.trainer.save_every_minutes
+    if not minutes:
+        return False
+    due = run.rank == 0 and time.monotonic() - run.last_save >= 60.0 * minutes
+    return all_max(int(due), run.device) > 0
+
+
+@contextlib.contextmanager
+def _run_io(run: Run, what: str):
+    """An OSError while writing ``what`` stops the run with one line: the path, why, the last intact
+    checkpoint (temporary checkpoints are never published, so nothing published is damaged)."""
+    try:
+        yield
+    except OSError as exc:
+        last = latest_checkpoint(run.ckpt_root)
+        raise RunIOError(f"{what}: cannot write {str(getattr(exc, 'filename', None) or run.run_dir)!r} "
+                         f"({exc.strerror or exc}); the last intact checkpoint is "
+                         f"{str(last) if last else 'none'}; fix the disk, then --resume") from None
+
+
 def end_step(run: Run, rec: dict, col: Collected, tokens: float, t_step: float, stop_now: bool) -> None:
     """Steps 8-9: evaluation, then the checkpoint in two phases around the metrics row. The step's row is
     on disk before its checkpoint is: a crash in between resumes from the previous checkpoint and trims
@@ -702,19 +781,22 @@ def end_step(run: Run, rec: dict, col: Collected, tokens: float, t_step: float, 
         rec.update(run.evaluate(step))
         times["eval"] = time.perf_counter() - t0
     pending = None
-    if step == t.max_steps or stop_now or (t.save_every and step % t.save_every == 0):
+    if step == t.max_steps or stop_now or (t.save_every and step % t.save_every == 0) or _save_is_due(run):
         t0 = time.perf_counter()
-        pending = write_checkpoint(run.ckpt_root, step, run.engine, run.trainer_state(), run.gens, run.rank)
-        if run.token_adv is not None and run.token_adv.prm is not None and run.rank == 0:
-            run.token_adv.prm.save(pending)  # identical on every rank (averaged gradients)
+        with _run_io(run, f"the checkpoint of step {step}"):
+            pending = write_checkpoint(run.ckpt_root, step, run.engine, run.trainer_state(), run.gens, run.rank)
+            if run.token_adv is not None and run.token_adv.prm is not None and run.rank == 0:
+                run.token_adv.prm.save(pending)  # identical on every rank (averaged gradients)
+        run.last_save = time.monotonic()
         times["save"] = time.perf_counter() - t0
     dt = time.perf_counter() - t_step
     rec.update({f"time/{k}": v for k, v in times.items()})
     rec.update({"time/step": dt, "tokens_per_s": tokens / dt,
                 "tokens_per_s/rollout": all_sum([float(col.n_generated)], run.device)[0] / max(times["rollout"], 1e-9)})
-    run.log_durably(rec)
-    if pending is not None:
-        publish_checkpoint(pending, t.keep_last, run.rank)
+    with _run_io(run, f"the metrics row of step {step}"):
+        run.log_durably(rec)
+        if pending is not None:
+            publish_checkpoint(pending, t.keep_last, run.rank)
     if run.pbar is not None:
         run.pbar.set_postfix(reward=f"{rec['reward_mean']:.3f}", H=f"{rec['entropy']:.3f}",
                              **({"val": f"{rec['val_acc']:.3f}"} if "val_acc" in rec else {}),

@@ -84,16 +84,27 @@ def fsync_tree(root: Path) -> None:
         fsync_path(Path(dirpath))
 
 
+# Fault-injection seam (tests/test_reliability.py, tests/test_fault_injection.py): each hook is called as
+# hook(path, stage) with stage "written" (the temporary file is on disk, the old file untouched) and
+# "replaced" (the rename is done). Nothing in fastcov registers one.
+REWRITE_HOOKS: list = []
+
+
 def write_atomic(path: Path, data: bytes) -> None:
-    """Replace ``path`` by ``data`` all at once: temp file, fsync, rename, fsync the folder."""
+    """Replace ``path`` by ``data`` all at once: temp file, fsync, rename, fsync the folder. Every rewrite of
+    a run file goes through here, so a kill at any moment leaves the old file or the new one, whole."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+    for hook in REWRITE_HOOKS:
+        hook(path, "written")
     os.replace(tmp, path)
     fsync_path(path.parent)
+    for hook in REWRITE_HOOKS:
+        hook(path, "replaced")
 
 
 # --------------------------------------------------------------------------------------------- RNG state

@@ -84,6 +84,15 @@ def all_max(value: int, device: torch.device) -> int:
     return int(all_reduce_(torch.tensor([value], dtype=torch.int64, device=device), "max").item())
 
 
+def broadcast_text(text: str) -> str:
+    """Rank 0's ``text`` on every rank (e.g. why rank 0 cannot go on, so that every rank stops with it)."""
+    if not is_distributed():
+        return text
+    box = [text]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def all_gather_floats(values: list[float], device: torch.device) -> list[float]:
     """Concatenation over ranks in rank order (every rank passes the same length)."""
     t = torch.tensor(values, dtype=torch.float64, device=device)

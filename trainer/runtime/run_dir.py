@@ -11,7 +11,11 @@ raises a ``UserError`` naming the file and line.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
+import os
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -25,6 +29,7 @@ from fastcov.trainer.runtime.checkpoint import (
     write_atomic,
 )
 
+LOCK = ".lock"
 METRICS = "metrics.jsonl"
 CONFIG = "config.yaml"
 CHECKPOINTS = "checkpoints"
@@ -49,8 +54,98 @@ def data_dir(run_dir: str | Path) -> Path:
 
 
 # A run directory holding nothing but these can be trained into afresh (data/: the synthetic task,
-# which a run only writes when missing and regenerates identically).
-REGENERABLE = {"data"}
+# which a run only writes when missing and regenerates identically; .lock: who holds the directory).
+REGENERABLE = {"data", LOCK}
+
+
+class RunDirBusy(UserError):
+    """Another live process holds the run directory."""
+
+
+def io_error(path: str | Path, exc: OSError, what: str = "trainer.run_dir") -> UserError:
+    """An OSError on a run file as the user's one line: the path, the system's reason, what to do."""
+    reason = exc.strerror or str(exc)
+    hint = {errno.EROFS: f"choose a writable {what}", errno.EACCES: f"fix its permissions or choose another {what}",
+            errno.EPERM: f"fix its permissions or choose another {what}",
+            errno.ENOSPC: "free space on that disk, then --resume", errno.EDQUOT: "free space (quota), then --resume"}
+    return UserError(f"{what}: cannot write {str(path)!r} ({reason}); "
+                     f"{hint.get(exc.errno or 0, 'check the path and the disk')}")
+
+
+class RunDirLock:
+    """One run per directory: an advisory lock (``fcntl.flock``) on ``<run>/.lock``, held by rank 0 from
+    before the run writes anything until it ends. The file names the holder (pid, host, start); the kernel
+    drops the lock when the holder dies, so a lock left by a killed run is taken over, and said so once."""
+
+    def __init__(self, run_dir: Path, fd: int, created: tuple[bool, bool]):
+        self.run_dir, self.fd, self.created = Path(run_dir), fd, created  # (the directory, the lock file)
+
+    @classmethod
+    def acquire(cls, run_dir: str | Path) -> RunDirLock:
+        run_dir = Path(run_dir)
+        path = run_dir / LOCK
+        created = (not run_dir.exists(), not path.exists())
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise io_error(path, exc) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(fd)
+            os.close(fd)
+            raise RunDirBusy(f"trainer.run_dir: {str(run_dir)!r} is in use by {holder}; wait for that run to "
+                             "end (or stop it), or choose another trainer.run_dir") from None
+        left = _holder(fd)
+        if left:
+            print(f"[fastcov] trainer.run_dir: the lock left by {left}, a run that is gone, is taken over",
+                  flush=True)
+        info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                           "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode()
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, info + b"\n", 0)
+        os.fsync(fd)
+        return cls(run_dir, fd, created)
+
+    def release(self) -> None:
+        """Let go, leaving the file empty (a later run then has nothing to take over)."""
+        if self.fd < 0:
+            return
+        try:
+            os.ftruncate(self.fd, 0)
+        except OSError:
+            pass
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+        self.fd = -1
+
+    def abandon(self) -> None:
+        """Release after a user error, removing what taking the lock created: the run leaves no trace."""
+        self.release()
+        made_dir, made_file = self.created
+        try:
+            if made_file:
+                (self.run_dir / LOCK).unlink()
+            if made_dir:
+                self.run_dir.rmdir()
+        except OSError:
+            pass
+
+    def moved_to(self, run_dir: Path) -> RunDirLock:
+        """The lock of ``run_dir`` (where the run now lives, after --overwrite moved the old one aside)."""
+        new = RunDirLock.acquire(run_dir)
+        self.release()
+        return new
+
+
+def _holder(fd: int) -> str:
+    """'pid N on host H (since T)' from a lock file, or '' when it names nobody."""
+    try:
+        info = json.loads(os.pread(fd, 4096, 0) or b"null")
+        return f"pid {info['pid']} on host {info['host']} (since {info['since']})"
+    except (ValueError, TypeError, KeyError, OSError):
+        return ""
 
 
 def check_run_dir(run_dir: Path, resume, overwrite: bool, rank: int) -> Path | None:
@@ -58,7 +153,8 @@ def check_run_dir(run_dir: Path, resume, overwrite: bool, rank: int) -> Path | N
 
     Fresh run: the directory must be absent or hold no earlier run, unless ``overwrite`` (the old one
     is then moved aside, never deleted: ``prepare_run_dir``). ``resume``: True for the newest checkpoint,
-    or a checkpoint directory; it must exist and read back. Returns the checkpoint to resume from.
+    or a checkpoint directory; it must exist and read back. Returns the checkpoint to resume from, or None
+    when a run that was stopped before its first checkpoint starts again from step 0 (said on rank 0).
     Raises CheckpointError / ConfigError (user errors, one line each).
     """
     if resume and overwrite:
@@ -69,18 +165,28 @@ def check_run_dir(run_dir: Path, resume, overwrite: bool, rank: int) -> Path | N
     if resume:
         ckpt_root = checkpoints_dir(run_dir)
         path = latest_checkpoint(ckpt_root) if resume is True else Path(resume)
+        if path is None and resume is True and _holds_a_run(run_dir):
+            if rank == 0:
+                print(f"[fastcov] --resume: {str(run_dir)!r} has no checkpoint yet (the run stopped before its "
+                      "first); it starts again from step 0", flush=True)
+            return None
         if path is None:
             raise CheckpointError(f"--resume: no checkpoint under {str(ckpt_root)!r}; start the run without "
                                   "--resume (add --overwrite if the directory is not empty)")
         check_checkpoint(path, rank)
         return path
     if run_dir.is_dir() and not overwrite:
-        held = sorted(p.name for p in run_dir.iterdir() if p.name not in REGENERABLE)
+        held = _holds_a_run(run_dir)
         if held:
             raise CheckpointError(f"trainer.run_dir: {str(run_dir)!r} already holds a run ({', '.join(held[:3])}"
                                   f"{', ...' if len(held) > 3 else ''}); continue it with --resume, move it "
                                   "aside with --overwrite, or choose another trainer.run_dir")
     return None
+
+
+def _holds_a_run(run_dir: Path) -> list[str]:
+    """What of an earlier run ``run_dir`` holds (names beyond the regenerable ones), sorted."""
+    return sorted(p.name for p in run_dir.iterdir() if p.name not in REGENERABLE) if run_dir.is_dir() else []
 
 
 def prepare_run_dir(run_dir: Path, overwrite: bool) -> Path | None:
