@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo study lint test test-fast test-verl test-vllm test-vllm-api bench clean
+.PHONY: demo study lint test test-fast test-verl test-vllm test-vllm-api bench compile-report clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -75,6 +75,13 @@ test-vllm: $(VLLM_STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench.kernels --preset cpu-small
+
+# Every Triton kernel x autotune config x dtype x switches compiled for sm_80/sm_90a/sm_100a without a GPU,
+# registers and spills from ptxas (bench/results/compile/); the peers' kernels with the [bench] extra.
+# About 25 minutes on a 2-core machine, so CI runs only the quick subset (tests/test_compile.py).
+compile-report: $(STAMP)
+	TRITON_DEFAULT_FP_FUSION=1 $(PY) -m bench.compile --jobs 2 --name fastcov
+	TRITON_DEFAULT_FP_FUSION=1 $(PY) -m bench.compile --peers --no-fastcov --jobs 2 --name peers
 
 # The main job on CPU (DeepSpeed's CPU accelerator when no GPU is visible): warm-start, GRPO, Clip-Cov,
 # KL-Cov, then runs/demo/report.md and plots. DEMO_ARGS passes options, e.g. DEMO_ARGS="trainer.max_steps=40".
