@@ -204,3 +204,25 @@ def test_a_read_only_run_directory_is_one_line(tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     err = proc.stderr.strip().splitlines()
     assert len(err) == 1 and "Read-only file system" in err[0] and "choose a writable trainer.run_dir" in err[0], err
+
+
+def test_a_kill_while_the_synthetic_task_is_written_leaves_no_half_task(tmp_path, monkeypatch):
+    from fastcov.trainer.config import load_config
+    from fastcov.trainer.data import loading, synthetic
+
+    cfg = load_config(TINY, [f"trainer.run_dir={tmp_path / 'run'}"])
+    assert cfg.data.synthetic.enabled and cfg.data.synthetic.n_val > 0
+    real = synthetic.write_parquet
+
+    def die_after_the_first_file(path, *a, **k):
+        real(path, *a, **k)
+        raise KeyboardInterrupt  # stands for a kill between the two files
+
+    monkeypatch.setattr(synthetic, "write_parquet", die_after_the_first_file)
+    with pytest.raises(KeyboardInterrupt):
+        loading.prepare_data(cfg, None, tmp_path / "run")
+    assert not (tmp_path / "run" / "data" / "train.parquet").exists()  # so the next run writes it again
+    monkeypatch.setattr(synthetic, "write_parquet", real)
+    train, val = loading.prepare_data(cfg, None, tmp_path / "run")
+    assert [len(loading.read_parquet(f)) for f in train + val] == [cfg.data.synthetic.n_train, cfg.data.synthetic.n_val]
+    assert not (tmp_path / "run" / ".data.tmp").exists()

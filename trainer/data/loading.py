@@ -219,6 +219,28 @@ class PromptSampler:
         self._order = self._perm(self.epoch)
 
 
+def _write_synthetic(data_dir: Path, s) -> None:
+    """The synthetic task into ``data_dir``, whole or not at all: written beside it, fsynced, then renamed
+    in, train.parquet last, so a train.parquet that exists means both files are complete."""
+    import shutil
+
+    from fastcov.trainer.data.synthetic import write_task
+
+    tmp = data_dir.with_name(f".{data_dir.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    write_task(str(tmp / "train.parquet"), str(tmp / "val.parquet"), s.n_train, s.n_val, s.seed, s.min_ops,
+               s.max_ops, s.max_value)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    for name in ("val.parquet", "train.parquet"):
+        if not (tmp / name).exists():  # no validation split (n_val 0)
+            continue
+        with open(tmp / name, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp / name, data_dir / name)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
 def prepare_data(cfg, tokenizer, run_dir: Path, rank: int = 0):
     """Train and validation examples for a Config (writes the synthetic task into the run dir first).
 
@@ -231,10 +253,7 @@ def prepare_data(cfg, tokenizer, run_dir: Path, rank: int = 0):
         data_dir = run_dir / "data"
         tr, va = data_dir / "train.parquet", data_dir / "val.parquet"
         if rank == 0 and not tr.exists():
-            from fastcov.trainer.data.synthetic import write_task
-
-            data_dir.mkdir(parents=True, exist_ok=True)
-            write_task(str(tr), str(va), s.n_train, s.n_val, s.seed, s.min_ops, s.max_ops, s.max_value)
+            _write_synthetic(data_dir, s)
         train_files.append(str(tr))
         if s.n_val:
             val_files.append(str(va))

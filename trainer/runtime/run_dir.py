@@ -54,8 +54,9 @@ def data_dir(run_dir: str | Path) -> Path:
 
 
 # A run directory holding nothing but these can be trained into afresh (data/: the synthetic task,
-# which a run only writes when missing and regenerates identically; .lock: who holds the directory).
-REGENERABLE = {"data", LOCK}
+# which a run only writes when missing and regenerates identically, and its temporary folder; .lock: who
+# holds the directory).
+REGENERABLE = {DATA, f".{DATA}.tmp", LOCK}
 
 
 class RunDirBusy(UserError):
