@@ -3,6 +3,7 @@ carries configs/ as ``fastcov/configs`` and the demo and studies resolve ``confi
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -27,8 +28,14 @@ def test_the_checkout_resolves_shipped_configs_from_anywhere(tmp_path, monkeypat
 
 @pytest.mark.slow
 def test_an_installed_wheel_finds_its_configs(tmp_path):
+    src = tmp_path / "src"  # a copy, so the build's build/ folder never lands in the checkout
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(ROOT / name, src / name)
+    for folder in ("fastcov", "kernels", "trainer", "configs"):
+        shutil.copytree(ROOT / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
-                    str(tmp_path / "dist"), str(ROOT)], check=True, capture_output=True)
+                    str(tmp_path / "dist"), str(src)], check=True, capture_output=True)
     wheel = next((tmp_path / "dist").glob("fastcov-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     shipped = sorted(p.relative_to(ROOT / "configs").as_posix() for p in (ROOT / "configs").rglob("*.yaml"))
