@@ -50,6 +50,12 @@ PRESETS: dict[str, dict] = {
                      "kernels run; its times say nothing about GPU speed"},
         ],
     },
+    # the twin against Cut Cross-Entropy's torch_compile path on CPU (issue 31): fp32, the issue's shape
+    "cpu-cce": {
+        "device": "cpu", "dtype": "float32", "warmup": 1, "repeats": 3, "threads": 2,
+        "impls": ["naive", "fastcov-torch", "fastcov-torch-logprob", "cce-torch-compile"],
+        "groups": [{"name": "cce-shape", "d": 256, "v": 65536, "ns": [4096]}],
+    },
     "qwen2.5-7b": {
         "device": "cuda", "dtype": "bfloat16", "warmup": 3, "repeats": 10,
         "groups": [{"name": "qwen2.5-7b", "d": 3584, "v": 152064, "ns": [4096, 16384, 65536]}],

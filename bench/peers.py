@@ -25,6 +25,9 @@ Peers are used through their public entry points only; nothing of theirs is copi
                  temperature, "none") -> (logprob, entropy). ``import verl`` pulls in ray and more, so
                  verl/utils/kernel/{kernels,linear_cross_entropy}.py are loaded by file path under a
                  private package name, with a stub ``verl.utils.device`` present only while they load.
+  cce-torch-compile  cut_cross_entropy.linear_cross_entropy(..., impl="torch_compile"): CCE's torch.compile
+                 path, the one peer that runs on CPU; fastcov-torch-logprob is the twin asked for the same
+                 (log-probs only), so the pair compares like with like.
 """
 
 from __future__ import annotations
@@ -180,6 +183,31 @@ def _load_cce(filter_eps) -> Callable[[torch.device], Fn]:
     return load
 
 
+def _load_cce_torch_compile(device: torch.device) -> Fn:
+    """Cut Cross-Entropy's ``impl="torch_compile"``: its torch.compile'd path, which runs on CPU too."""
+    if importlib.util.find_spec("cut_cross_entropy") is None:
+        raise Unavailable("not installed (pip install cut-cross-entropy)")
+    from cut_cross_entropy import linear_cross_entropy
+
+    def fn(hidden, weight, labels, temperature):
+        h = hidden if temperature == 1.0 else hidden / temperature
+        nll = linear_cross_entropy(h, weight, labels, reduction="none", impl="torch_compile")
+        return -nll, None
+
+    return fn
+
+
+def _load_fastcov_logprob(device: torch.device) -> Fn:
+    """fastcov's twin asked for what CCE gives: log-probs only (the entropy output is not used, so its
+    upstream gradient is None and the backward skips the entropy term)."""
+    fn = _load_fastcov("torch")(device)
+
+    def logprob_only(hidden, weight, labels, temperature):
+        return fn(hidden, weight, labels, temperature)[0], None
+
+    return logprob_only
+
+
 _VERL_PKG = "_fastcov_bench_verl_kernel"
 
 
@@ -279,6 +307,12 @@ IMPLS: dict[str, Impl] = {
                 _probe_peer("cut_cross_entropy", "cut-cross-entropy"), _load_cce("high")),
     "cce-exact": Impl("cce-exact", "Cut Cross-Entropy with filter_eps=None (no gradient filtering)", False,
                       _probe_peer("cut_cross_entropy", "cut-cross-entropy"), _load_cce(None)),
+    "cce-torch-compile": Impl("cce-torch-compile", 'Cut Cross-Entropy impl="torch_compile" (logprob only; runs on CPU)',
+                              False, lambda d: None if importlib.util.find_spec("cut_cross_entropy") else
+                              "not installed (pip install cut-cross-entropy)", _load_cce_torch_compile,
+                              needs_cuda=False, compiles=True),
+    "fastcov-torch-logprob": Impl("fastcov-torch-logprob", "fastcov's twin, log-probs only (as the CCE rows)", False,
+                                  _probe_fastcov("torch"), _load_fastcov_logprob, needs_cuda=False),
     "verl": Impl("verl", "verl utils/kernel linear_cross_entropy (logprob + entropy)", True,
                  _probe_peer("verl", "verl"), _load_verl),
 }

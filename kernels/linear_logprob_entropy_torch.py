@@ -23,6 +23,9 @@ from fastcov.kernels._workspace import chunk_rows, gemm_backward, workspace_byte
 # About 1M fp32 elements per forward logits chunk: 4 MB, a handful of which are alive at once.
 CHUNK_ELEMENTS = 1 << 20
 MAX_CHUNK_V = 4096
+# the backward's fp32 logits slab: 2 MiB, so that its four elementwise passes stay in cache
+SLAB_ELEMENTS = 1 << 19
+MIN_SLAB_COLS = 256
 # fp32 buffers of a forward chunk alive at once (z, e, e2, the products), for the budget
 FORWARD_LIVE_BUFFERS = 6
 
@@ -35,12 +38,8 @@ def chunk_sizes(n: int, v: int, chunk_elements: int = CHUNK_ELEMENTS,
     return chunk_n, chunk_v
 
 
-def _tempered_logits(h, w, b, inv_temp, prescaled: bool = False):
-    """fp32 logits z = (h W^T + b)/T of one chunk: h [n, D], w [v, D] -> [n, v]. With ``prescaled``
-    the caller has already multiplied h (fp32) by 1/T, and only the bias is scaled here."""
-    if prescaled:
-        z = h @ w.float().T
-        return z if b is None else z.add_(b.float(), alpha=inv_temp)
+def _tempered_logits(h, w, b, inv_temp):
+    """fp32 logits z = (h W^T + b)/T of one chunk: h [n, D], w [v, D] -> [n, v]."""
     z = h.float() @ w.float().T
     if b is not None:
         z.add_(b.float())
@@ -116,6 +115,8 @@ def backward_chunks(n: int, v: int, d: int, itemsize: int, budget: int, has_bias
     scratch (three [rows, cols] buffers and the [cols, D] slab of W) the other half."""
     rows = chunk_rows(n, v, itemsize, budget // 2, has_bias)
     cols = (budget // 2) // (4 * (3 * rows + d))
+    # slabs of at most SLAB_ELEMENTS: the elementwise passes over a slab then run in cache
+    cols = min(cols, max(MIN_SLAB_COLS, SLAB_ELEMENTS // rows))
     return rows, max(1, min(v, cols))
 
 
@@ -137,12 +138,15 @@ def grad_backward(hidden, weight, bias, labels, temperature, logsumexp, entropy,
     g_t, e_t = g * inv_temp, e * inv_temp
     with_entropy = bool(e.ne(0).any())  # only log-probs need a gradient: skip the entropy term's passes
 
+    scratch = torch.empty(rows * cols, dtype=torch.float32, device=hidden.device)  # reused by every slab
+
     def fill_dz(r0, r1, dz):
         h32 = hidden[r0:r1].float() * inv_temp  # a new tensor: .float() of fp32 input is the input itself
         for c0 in range(0, v, cols):
             c1 = min(v, c0 + cols)
-            z = _tempered_logits(h32, weight[c0:c1], None if bias is None else bias[c0:c1], inv_temp,
-                                 prescaled=True)
+            z = torch.mm(h32, weight[c0:c1].float().T, out=scratch[: (r1 - r0) * (c1 - c0)].view(r1 - r0, c1 - c0))
+            if bias is not None:
+                z.add_(bias[c0:c1].float(), alpha=inv_temp)
             grad = dz_from_upstream(z, logsumexp[r0:r1], entropy[r0:r1], labels[r0:r1] - c0, g_t[r0:r1],
                                     e_t[r0:r1], with_entropy)
             dz[:, c0:c1].copy_(grad)
