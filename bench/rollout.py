@@ -1,7 +1,8 @@
-"""Rollout benchmark: fastcov's HF engine against plain ``model.generate`` on the same prompts.
+"""Rollout benchmark: fastcov's HF engine against plain ``model.generate``, or against vLLM, on the same prompts.
 
     python -m bench.rollout                                   # CPU: a small Qwen2-shaped model
     python -m bench.rollout --hidden 896 --layers 24 --device cuda --dtype bfloat16   # Qwen2.5-0.5B shape
+    python -m bench.rollout --engine vllm --threads 2         # HF engine and vLLM (its CPU build: .venv-vllm)
 
 Two batches of the same size: "all-short" (every answer 16 tokens) and "one-long" (one answer 8× longer,
 the rest 16). Answer lengths are forced (eos exactly when a row reaches its length, through hooks
@@ -9,8 +10,12 @@ that both engines share; see ``ForcedLength``), so the comparison is about how t
 steps, not about what a
 random model happens to say. Per case (engine × batch): wall seconds, generated tokens, tokens/s, peak
 memory increment; one JSON line per case appended to ``<out>/<device>/rollout-<date>.jsonl`` as it
-finishes, and the ratio one-long ÷ all-short per engine at the end. vLLM is added where it is installed
-(not here: it needs a CUDA build of torch).
+finishes, and the ratio one-long ÷ all-short per engine at the end.
+
+``--engine vllm``: fastcov's HF engine and vLLM (the colocated engine as the trainer builds it, weights synced
+from the same model; bf16, vLLM's model dtype) on the same prompts. vLLM gets the same answer lengths through
+per-request ``max_tokens`` with ``ignore_eos`` (its sampler cannot be hooked the same way); it runs on every
+core vLLM binds, so give the HF engine as many (``--threads``).
 """
 
 from __future__ import annotations
@@ -136,6 +141,38 @@ def run_generate(model, prompts, lengths, max_new, device, seed):
 ENGINES = {"fastcov-hf": run_fastcov, "hf-generate": run_generate}
 
 
+def vllm_runner(model, prompt_len: int, max_new: int, run_dir: str):
+    """vLLM's colocated engine (``make_vllm_engine``) for ``model``, its weights synced from it; returns a
+    runner with the signature of ``run_fastcov``."""
+    from types import SimpleNamespace as NS
+
+    from fastcov.trainer.config import load_config
+    from fastcov.trainer.rollout.vllm_factory import make_vllm_engine
+    from fastcov.trainer.runtime.distributed import init_distributed
+    from fastcov.trainer.runtime.weight_buckets import iter_buckets
+
+    cpu = torch.device("cpu")
+    init_distributed(cpu)
+    cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml", [
+        "rollout.engine=vllm", f"trainer.run_dir={run_dir}", f"rollout.max_new_tokens={max_new}",
+        f"data.max_prompt_len={prompt_len}", "trainer.device=cpu"])
+    eng = make_vllm_engine(cfg, model, NS(eos_token_id=0), device=cpu)
+    eng.update_weights(iter_buckets(list(model.named_parameters()) + list(model.named_buffers()), 64 << 20))
+
+    def run_vllm(model, prompts, lengths, max_new, device, seed):
+        from fastcov.trainer.rollout import SamplingParams
+        from fastcov.trainer.rollout.vllm_wire import sampling_kwargs
+
+        params = [eng.vllm.SamplingParams(**{**sampling_kwargs(SamplingParams(1.0, 1.0, n), [0], seed * 100_003 + i),
+                                             "ignore_eos": True}) for i, n in enumerate(lengths)]
+        t0 = time.perf_counter()
+        outs = eng.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        return [len(o.outputs[0].token_ids) for o in outs], seconds
+
+    return run_vllm
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.rollout", description=__doc__.split("\n\n")[0])
     p.add_argument("--hidden", type=int, default=512)
@@ -149,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default="bench/results")
+    p.add_argument("--engine", choices=["hf", "vllm"], default="hf",
+                   help="hf: fastcov's HF engine against model.generate; vllm: against vLLM")
     args = p.parse_args(argv)
     dev = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
     device = torch.device(dev)
@@ -163,10 +202,21 @@ def main(argv: list[str] | None = None) -> int:
     prompts = make_prompts(args.batch, args.prompt_len, args.vocab, seed=0)
     long_len = SHORT * args.long_factor
     batches = {"all-short": [SHORT] * args.batch, "one-long": [long_len] + [SHORT] * (args.batch - 1)}
+    engines = dict(ENGINES)
+    if args.engine == "vllm":
+        import tempfile
+
+        def run_vllm(*a):  # built on first use: the HF engine is measured before vLLM binds its threads
+            if "fn" not in lazy:
+                lazy["fn"] = vllm_runner(model, args.prompt_len, long_len, tempfile.mkdtemp(prefix="bench-vllm-"))
+            return lazy["fn"](*a)
+
+        lazy: dict = {}
+        engines = {"fastcov-hf": run_fastcov, "vllm": run_vllm}
     log(f"rollout bench: {env['device_name']}; Qwen2 hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, "
         f"{dtype}; batch {args.batch}, prompts {args.prompt_len} tokens, answers {SHORT} / {long_len}")
     results = {}
-    for engine_name, fn in ENGINES.items():
+    for engine_name, fn in engines.items():
         for batch_name, lengths in batches.items():
             fn(model, prompts, lengths, long_len, device, 0)  # warm-up
             times, lens = [], None
@@ -178,16 +228,18 @@ def main(argv: list[str] | None = None) -> int:
                 raise RuntimeError(f"{engine_name}/{batch_name}: forced lengths not honoured: {lens} != {lengths}")
             seconds = M.median(times)
             row = {"engine": engine_name, "batch": batch_name, "rows": args.batch, "tokens": sum(lens),
+                   "threads": torch.get_num_threads(),
                    "seconds": seconds, "tokens_per_s": sum(lens) / seconds, "peak_bytes": pm.peak_bytes,
                    "mem_method": pm.method, "hidden": args.hidden, "layers": args.layers, "vocab": args.vocab,
-                   "dtype": str(dtype).removeprefix("torch."), "prompt_len": args.prompt_len,
+                   "dtype": "bfloat16" if engine_name == "vllm" else str(dtype).removeprefix("torch."),
+                   "prompt_len": args.prompt_len,
                    "device": env["device_name"], "torch": env["torch"], "date": date}
             results[(engine_name, batch_name)] = row
             with open(out_path, "a") as f:
                 f.write(json.dumps(row) + "\n")
             log(f"{engine_name:<12} {batch_name:<9} {seconds:8.3f} s  {row['tokens_per_s']:9.1f} tok/s  "
                 f"peak {M.fmt_bytes(pm.peak_bytes)}")
-    for engine_name in ENGINES:
+    for engine_name in engines:
         ratio = results[(engine_name, "one-long")]["seconds"] / results[(engine_name, "all-short")]["seconds"]
         log(f"{engine_name}: one-long / all-short time = {ratio:.2f}")
         with open(out_path, "a") as f:
