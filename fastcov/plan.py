@@ -155,7 +155,7 @@ def plan_memory(model: ModelShape, *, gpus: int, tokens_per_gpu: int, zero_stage
                 gpu_memory_gib: float = 80.0, rollout_tp: int = 2, kv_tokens_per_gpu: int | None = None,
                 gradient_checkpointing: bool = True, offload_optimizer: bool = False,
                 workspace_mb: float = 256.0, lora_rank: int = 0, quantization: str = "none",
-                offload_activations: bool = False) -> MemoryPlan:
+                offload_activations: bool = False, precision: str = "bf16") -> MemoryPlan:
     """Per-GPU bytes of each part of a colocated RL step.
 
     ZeRO stage s shards the fp32 optimizer states (12 bytes/parameter: master, m, v) for s ≥ 1, the bf16
@@ -173,7 +173,8 @@ def plan_memory(model: ModelShape, *, gpus: int, tokens_per_gpu: int, zero_stage
     "4bit": ``NF4_BYTES`` per weight), only the adapters (r·(in + out) per projection) have gradients
     and optimizer states; the recomputed layer also holds the adapters' T·r intermediates.
     `offload_activations`: the checkpointed layer inputs live in host memory; the GPU holds two (the one
-    in use and the one in flight).
+    in use and the one in flight). `precision` "fp32" (the trainer on a CPU): 4 bytes wherever bf16 has 2,
+    and Adam's m and v only (8 bytes per trainable parameter: the fp32 parameters are the master weights).
     """
     if model is None:
         raise ValueError("model is required")
@@ -189,20 +190,23 @@ def plan_memory(model: ModelShape, *, gpus: int, tokens_per_gpu: int, zero_stage
     if offload_optimizer and zero_stage < 1:
         raise ValueError("offload_optimizer needs zero_stage >= 1")
     _check_lora(lora_rank, quantization, zero_stage, offload_activations, gradient_checkpointing)
+    if precision not in ("bf16", "fp32"):
+        raise ValueError(f"precision must be 'bf16' or 'fp32', got {precision!r}")
+    b = 2 if precision == "bf16" else 4  # bytes of a parameter, gradient or activation element
     trainable = model.lora_parameters(lora_rank) if lora_rank else psi
-    parameters = _weight_bytes(model, lora_rank, quantization) / (gpus if zero_stage == 3 else 1)
-    gradients = 2 * trainable / (gpus if zero_stage >= 2 else 1)
-    optimizer = 12 * trainable / (gpus if zero_stage >= 1 else 1)
+    parameters = _weight_bytes(model, lora_rank, quantization, b) / (gpus if zero_stage == 3 else 1)
+    gradients = b * trainable / (gpus if zero_stage >= 2 else 1)
+    optimizer = (12 if b == 2 else 8) * trainable / (gpus if zero_stage >= 1 else 1)
     host_optimizer = optimizer if offload_optimizer else 0.0
     optimizer = 0.0 if offload_optimizer else optimizer
-    layer_working_set = t * (10 * h + 4 * i + len(LORA_PROJECTIONS) * lora_rank) * 2
-    host_activations = layers * t * h * 2 if offload_activations else 0.0
+    layer_working_set = t * (10 * h + 4 * i + len(LORA_PROJECTIONS) * lora_rank) * b
+    host_activations = layers * t * h * b if offload_activations else 0.0
     if gradient_checkpointing:
-        activations = (2 if offload_activations else layers) * t * h * 2 + layer_working_set
+        activations = (2 if offload_activations else layers) * t * h * b + layer_working_set
     else:
         activations = layers * layer_working_set
     logits_naive = t * v * (2 + 4 + 4)
-    logits_fused = t * 4 * 4 + min(workspace_mb * 2**20, t * v * 2)
+    logits_fused = t * 4 * 4 + min(workspace_mb * 2**20, t * v * b)
     kv_tokens = tokens_per_gpu if kv_tokens_per_gpu is None else kv_tokens_per_gpu
     kv_per_token = 2 * layers * model.num_kv_heads * model.head_dim * 2
     return MemoryPlan(
@@ -226,13 +230,14 @@ def _check_lora(rank: int, quantization: str, zero_stage: int, offload_activatio
         raise ValueError("offload_activations moves gradient checkpointing's layer inputs: needs checkpointing")
 
 
-def _weight_bytes(model: ModelShape, lora_rank: int, quantization: str) -> float:
-    """The policy's weights on the GPU: bf16, or the decoder's Linears in NF4; plus bf16 adapters."""
+def _weight_bytes(model: ModelShape, lora_rank: int, quantization: str, b: int = 2) -> float:
+    """The policy's weights on the GPU: ``b`` bytes each (bf16: 2), or the decoder's Linears in NF4; plus
+    the adapters."""
     psi = model.num_parameters()
     if quantization != "4bit":
-        return 2 * psi + 2 * model.lora_parameters(lora_rank) * (lora_rank > 0)
+        return b * psi + b * model.lora_parameters(lora_rank) * (lora_rank > 0)
     linear = model.linear_parameters()
-    return NF4_BYTES * linear + 2 * (psi - linear) + 2 * model.lora_parameters(lora_rank)
+    return NF4_BYTES * linear + b * (psi - linear) + b * model.lora_parameters(lora_rank)
 
 
 # vLLM after a level-2 sleep keeps neither weights nor KV cache; its CUDA graphs and allocator pool stay.
