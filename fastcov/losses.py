@@ -26,7 +26,7 @@ the loss multiplied by the world size, as verl does with ``dp_size``.)
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -37,14 +37,17 @@ from fastcov.selection import (
     check_band,
     check_like,
     check_ratio,
+    decorrelated_keys,
     draw_seed,
     select_random_in_band,
+    select_random_matched,
     select_top_covariance,
 )
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 SCOPES = ("microbatch", "global")
-COV_SCORES = ("batch", "vocab", "random")
+COV_SCORES = ("batch", "vocab", "random", "random_matched")
+RANDOM_CONTROLS = ("random", "random_matched")
 
 
 # ---------------------------------------------------------------- configuration
@@ -64,7 +67,9 @@ class LossConfig:
         get zero loss but stay in the denominators); None: all tokens.
     cov_score: "batch" (the paper's c_t), "vocab" (A_t·κ_t, κ = the ``vocab_cov`` input) or "random"
         (the control: uniform scores inside the Clip-Cov band, so Clip-Cov and KL-Cov pick the same
-        number of tokens as with c_t, at random; keys hash the global position, as Clip-Cov's do).
+        number of tokens as with c_t, at random; keys hash the global position, as Clip-Cov's do) or
+        "random_matched" (the control for Clip-Cov: the mode selects with c_t, then as many tokens as it
+        picked are chosen uniformly among all valid tokens instead, not only inside the band).
     loss_scale_factor: divisor of "seq-mean-token-sum-norm" (None: the padded length T of the call;
         set a constant when micro-batches differ in T).
     check_finite: reject non-finite advantages (one host sync per call; trainers that validate
@@ -127,17 +132,17 @@ class Selection:
 
     cov: tokens picked by the mode's covariance rule (Clip-Cov: loss zeroed; KL-Cov: KL-penalised).
     high_entropy: tokens kept by ``high_entropy_fraction``.
+    reference: with a random control (cov_score "random" / "random_matched"), what the covariance rule
+        would have picked on the same tokens (a diagnostic: the overlap metrics); None otherwise.
     """
 
     cov: torch.Tensor | None = None
     high_entropy: torch.Tensor | None = None
+    reference: torch.Tensor | None = None
 
     def rows(self, index) -> "Selection":
         """The selection of a micro-batch: rows ``index`` (slice, int tensor or bool tensor) of each mask."""
-        return Selection(
-            None if self.cov is None else self.cov[index],
-            None if self.high_entropy is None else self.high_entropy[index],
-        )
+        return Selection(*(None if x is None else x[index] for x in (self.cov, self.high_entropy, self.reference)))
 
 
 @dataclass(frozen=True)
@@ -382,24 +387,42 @@ def _selection_scores(mode, logprob, advantages, valid, config, vocab_cov, group
             raise ValueError("vocab_cov is required when cov_score='vocab'")
         scores = torch.where(valid, advantages * vocab_cov.detach(), torch.zeros_like(advantages))
         return scores, None
-    seed = draw_seed(generator, logprob.device, group) if mode.random_keys else None
+    needs_keys = mode.random_keys or config.cov_score == "random_matched"
+    seed = draw_seed(generator, logprob.device, group) if needs_keys else None
     return token_covariance_and_keys(logprob, advantages, valid, seed=seed, group=group, impl=impl)
 
 
 def _select_tokens(mode, logprob, old_logprob, advantages, valid, config, entropy, vocab_cov, group, generator, impl):
     """(Selection, scores or None) over this call's tokens and, with ``group``, all its ranks."""
-    scores = None
-    cov_selected = None
+    scores = cov_selected = reference = None
     if mode.selector is not None:
         scores, keys = _selection_scores(mode, logprob, advantages, valid, config, vocab_cov, group, generator, impl)
         inputs = SelectionInputs(scores, keys, logprob, old_logprob, advantages, valid, config, group, generator)
         cov_selected = mode.selector(inputs) & valid
+        if config.cov_score in RANDOM_CONTROLS:
+            cov_selected, reference = _random_control(mode, inputs, cov_selected, impl)
     high_entropy = None
     if config.high_entropy_fraction is not None:
         if entropy is None:
             raise ValueError("entropy is required when high_entropy_fraction is set")
         high_entropy = select_top_covariance(entropy.detach(), valid, config.high_entropy_fraction, group=group)
-    return Selection(cov_selected, high_entropy), scores
+    return Selection(cov_selected, high_entropy, reference), scores
+
+
+def _random_control(mode, inputs: SelectionInputs, picked: torch.Tensor, impl: str):
+    """(the control's selection, what the covariance rule picks on the same tokens) of a random control.
+
+    "random_matched": ``picked`` is the rule's own pick (scores c_t); the control takes as many tokens
+    uniformly among all valid ones. "random": ``picked`` already is the control (random scores); the
+    rule is re-run on c_t for the overlap diagnostic. Either way the second pick re-hashes the keys, so
+    the two sets are independent draws of one seed, and no random number is drawn here.
+    """
+    keys = None if inputs.keys is None else decorrelated_keys(inputs.keys)
+    if inputs.config.cov_score == "random_matched":
+        assert keys is not None  # _selection_scores draws them for this score
+        return select_random_matched(picked, inputs.valid, keys, group=inputs.group) & inputs.valid, picked
+    c_t = token_covariance(inputs.logprob, inputs.advantages, inputs.valid, group=inputs.group, impl=impl)
+    return picked, mode.selector(replace(inputs, scores=c_t, keys=keys)) & inputs.valid
 
 
 def _sanitize(tensor: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -518,8 +541,10 @@ def policy_loss(
         tokens: ppo_kl (mean old_logp − logp), clipfrac (PPO clip active), selected_frac
         (covariance selection), cov_mean / cov_max (of the selection score: c_t or A·κ; in global
         scope with a precomputed selection, c_t with this call's means), pos_adv_frac,
-        neg_adv_frac, entropy (mean, when given), high_entropy_frac (when configured) and empty
-        (1.0 when no token is valid, else 0.0).
+        neg_adv_frac, entropy (mean, when given), high_entropy_frac (when configured), empty
+        (1.0 when no token is valid, else 0.0) and, with a random control (``selection.reference``),
+        selected_and_ref / selected_or_ref (shares of the tokens in both / either of the control and the
+        covariance rule's pick: their ratio is the Jaccard overlap).
     """
     loss_mode = get_policy_loss(mode)
     _check_agg(agg)
@@ -589,6 +614,7 @@ def _coerce_selection(selection, loss_mode, config, logprob, valid, entropy, sco
         raise TypeError(f"selection must be a Selection or a bool tensor, got {type(selection).__name__}")
     _check_selection_mask("selection.cov", selection.cov, logprob)
     _check_selection_mask("selection.high_entropy", selection.high_entropy, logprob)
+    _check_selection_mask("selection.reference", selection.reference, logprob)
     high_entropy = selection.high_entropy
     if config.high_entropy_fraction is not None and high_entropy is None:
         if scope == "global":
@@ -599,8 +625,8 @@ def _coerce_selection(selection, loss_mode, config, logprob, valid, entropy, sco
         if entropy is None:
             raise ValueError("entropy is required when high_entropy_fraction is set")
         high_entropy = select_top_covariance(entropy.detach(), valid, config.high_entropy_fraction)
-    cov = None if selection.cov is None else selection.cov & valid
-    return Selection(cov, None if high_entropy is None else high_entropy & valid)
+    cov, reference = (None if x is None else x & valid for x in (selection.cov, selection.reference))
+    return Selection(cov, None if high_entropy is None else high_entropy & valid, reference)
 
 
 def _metrics(logprob, old_logprob, advantages, valid, config, selection, scores, entropy, vocab_cov, impl):
@@ -639,6 +665,9 @@ def _metrics(logprob, old_logprob, advantages, valid, config, selection, scores,
             "neg_adv_frac": valid_mean(advantages < 0),
             "empty": (n_valid == 0).to(dtype),
         }
+        if selection.cov is not None and selection.reference is not None:  # a random control: overlap with c_t's pick
+            metrics["selected_and_ref"] = valid_mean(selection.cov & selection.reference)
+            metrics["selected_or_ref"] = valid_mean(selection.cov | selection.reference)
         if entropy is not None:
             metrics["entropy"] = valid_mean(entropy.detach())
         if selection.high_entropy is not None:

@@ -19,6 +19,10 @@ would select on the concatenated batch:
 * Clip-Cov's random keys are hash(seed, global position), with the seed drawn on group rank 0 and
   broadcast, so every rank computes exactly the keys one process would compute for the
   concatenated batch (no keys or scores are gathered).
+
+Random controls. ``select_random_matched`` picks as many tokens as a reference selection holds,
+uniformly among all valid tokens; its keys re-hash the selection's keys (``decorrelated_keys``), so
+the control is a function of the same seed but its order is unrelated to the reference's.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import torch.distributed as dist
 from fastcov.kernels.covariance_torch import random_keys_torch
 
 INT64_MIN = -(2**63)
+CONTROL_SALT = 0x2545F4914F6CDD1D  # < 2**62: the fixed seed that re-hashes keys for a random control
 INT64_MAX = 2**63 - 1
 SEED_RANGE = 2**62
 RADIX_BITS = 8
@@ -318,3 +323,32 @@ def select_random_in_band(
         seed = draw_seed(generator, scores.device, group)
         keys = random_keys(scores.shape, scores.device, seed, global_offset(scores.numel(), scores.device, group))
     return select_largest(keys, candidates, need, bound=k_upper_bound(ratio, scores.numel()), group=group)
+
+
+def decorrelated_keys(keys: torch.Tensor) -> torch.Tensor:
+    """int64 keys in [0, 2**32) re-hashed by a fixed salt: a bijection of ``keys`` (no new collisions) whose
+    order is unrelated to theirs, so a control drawn from them is independent of a pick made with ``keys``."""
+    return random_keys_torch(torch.tensor([CONTROL_SALT], dtype=torch.int64, device=keys.device), keys)
+
+
+def select_random_matched(
+    reference: torch.Tensor, mask: torch.Tensor, keys: torch.Tensor, *, group=None
+) -> torch.Tensor:
+    """A random control of a selection: as many tokens as ``reference`` holds (over the group), chosen
+    uniformly among all valid tokens (the ``keys`` order; larger first, ties by global position).
+
+    Args:
+        reference: bool tensor, any shape (e.g. Clip-Cov's selection); only its count is used.
+        mask: same shape; nonzero/True marks valid tokens.
+        keys: int64 random keys, same shape (hash of seed and global position; see ``decorrelated_keys``).
+        group: optional process group; the count and the selection are then over all its ranks.
+    Returns:
+        bool tensor shaped like ``reference``: exactly #(reference & valid) valid tokens over the group.
+    """
+    check_like("mask", mask, reference, "reference")
+    check_like("keys", keys, reference, "reference")
+    if keys.dtype != torch.int64:
+        raise TypeError(f"keys must be int64, got {keys.dtype}")
+    valid = mask.bool()
+    need = all_reduce_sum((reference.bool() & valid).sum().reshape(1), group).reshape(())
+    return select_largest(keys, valid, need, bound=max(1, reference.numel()), group=group)

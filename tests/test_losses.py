@@ -527,3 +527,102 @@ def test_random_score_selects_as_many_tokens_at_random(mode):
     assert float(m["selected_frac"]) > 0 and 0 <= float(m["selected_pos_adv"]) <= float(m["selected_frac"])
     if mode == "kl_cov":  # top covariance tokens have the largest c_t: above the random pick's on average
         assert float(metrics[("batch", 0)]["selected_cov"]) > float(m["selected_cov"])
+
+
+# ---------------------------------------------------------------- Clip-Cov's random control (cov_score="random_matched")
+
+MATCHED = LossConfig(clip_cov_ratio=0.1, clip_cov_lb=0.05, clip_cov_ub=2.0, kl_cov_ratio=0.1)
+
+
+def _band_candidates(batch, config):
+    logprob, old_logprob, advantages, mask, _ = batch
+    cov = _ref_covariance(logprob, advantages, mask)
+    ratio = (logprob - old_logprob).exp()
+    clipped = -advantages * ratio.clamp(1 - config.clip_low, 1 + config.clip_high) > -advantages * ratio
+    return mask & (cov > config.clip_cov_lb) & (cov < config.clip_cov_ub) & ~clipped
+
+
+@pytest.mark.parametrize("band", [(0.8, 1.2), (0.05, 2.0)])  # the band limits the count / k = ⌊0.1·n⌋ does
+def test_random_matched_detaches_as_many_tokens_as_clip_cov_uniformly_among_valid_ones(band):
+    batch = _batch(seed=6)
+    logprob, old_logprob, advantages, mask, _ = batch
+    config = dataclasses.replace(MATCHED, clip_cov_lb=band[0], clip_cov_ub=band[1])
+    matched = dataclasses.replace(config, cov_score="random_matched")
+    k = max(1, math.floor(0.1 * int(mask.sum())))
+    candidates = _band_candidates(batch, config)
+    n_pick = min(k, int(candidates.sum()))
+    assert 0 < n_pick and (n_pick < k) == (band[1] < 2)
+    counts = torch.zeros(mask.shape)
+    outside = 0
+    for seed in range(300):
+        clip = compute_global_selection(logprob, old_logprob, advantages, mask, mode="clip_cov", config=config,
+                                        generator=torch.Generator().manual_seed(seed))
+        ctrl = compute_global_selection(logprob, old_logprob, advantages, mask, mode="clip_cov", config=matched,
+                                        generator=torch.Generator().manual_seed(seed))
+        assert torch.equal(ctrl.reference, clip.cov)  # the same seed: exactly what Clip-Cov would pick
+        assert int(ctrl.cov.sum()) == int(clip.cov.sum()) == n_pick and not (ctrl.cov & ~mask).any()
+        counts += ctrl.cov
+        outside += int((ctrl.cov & ~candidates).sum())
+    assert outside > 0.5 * 300 * n_pick  # most picks fall outside the band (it holds a minority of valid tokens)
+    n_valid = int(mask.sum())
+    expected = 300 * n_pick / n_valid
+    chi2 = float((((counts - expected) ** 2 / expected) * mask).sum())
+    assert counts[~mask].sum() == 0 and chi2 < n_valid + 6 * math.sqrt(2 * n_valid)  # uniform over valid tokens
+
+
+def test_random_matched_zeroes_the_loss_and_gradient_of_its_tokens_float64_reference():
+    batch = _batch(seed=6)
+    logprob, old_logprob, advantages, mask, entropy = batch
+    matched = dataclasses.replace(MATCHED, cov_score="random_matched")
+    sel = compute_global_selection(logprob, old_logprob, advantages, mask, mode="clip_cov", config=matched,
+                                   generator=torch.Generator().manual_seed(4))
+    loss, grad_lp, _, metrics = _grads(lambda lp, ent: policy_loss(
+        lp, old_logprob, advantages, mask, mode="clip_cov", config=matched, generator=torch.Generator().manual_seed(4)
+    ), logprob, entropy)
+    lp = logprob.clone().requires_grad_(True)
+    ref = _ref_loss("clip_cov", "token-mean", (lp, old_logprob, advantages, mask, entropy), sel.cov, matched)
+    (ref_grad,) = torch.autograd.grad(ref, lp)
+    torch.testing.assert_close(loss, ref.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad_lp, ref_grad, rtol=1e-12, atol=1e-12)
+    assert (grad_lp[sel.cov] == 0).all() and (grad_lp[mask & ~sel.cov & (advantages != 0)] != 0).any()
+    # the denominator keeps them: the same loss as vanilla with their terms set to 0, over all valid tokens
+    n = int(mask.sum())
+    assert float(metrics["selected_frac"]) * n == pytest.approx(int(sel.cov.sum()))
+    both, either = float(metrics["selected_and_ref"]) * n, float(metrics["selected_or_ref"]) * n
+    assert both == pytest.approx(int((sel.cov & sel.reference).sum()))
+    assert either == pytest.approx(int((sel.cov | sel.reference).sum())) and both < either
+
+
+@pytest.mark.parametrize("mode", ["clip_cov", "kl_cov"])
+def test_random_controls_are_deterministic_by_seed_and_report_the_overlap(mode):
+    logprob, old_logprob, advantages, mask, _ = _batch(seed=6)
+
+    def pick(score, seed):
+        config = dataclasses.replace(MATCHED, cov_score=score)
+        return compute_global_selection(logprob, old_logprob, advantages, mask, mode=mode, config=config,
+                                        generator=torch.Generator().manual_seed(seed))
+
+    batch_pick = pick("batch", 0)
+    assert batch_pick.reference is None
+    for score in ("random", "random_matched"):
+        a, b, c = pick(score, 0), pick(score, 0), pick(score, 1)
+        assert torch.equal(a.cov, b.cov) and torch.equal(a.reference, b.reference)
+        assert not torch.equal(a.cov, c.cov)
+        if mode == "kl_cov":  # the reference is KL-Cov's own top-k: no randomness in it
+            assert torch.equal(a.reference, batch_pick.cov)
+        assert int(a.cov.sum()) == int(a.reference.sum()) or score == "random"
+    _, metrics = policy_loss(logprob, old_logprob, advantages, mask, mode=mode, config=MATCHED)
+    assert "selected_and_ref" not in metrics  # the diagnostic exists only for a random control
+
+
+def test_random_matched_is_a_config_option_that_needs_a_selection():
+    from fastcov.errors import ConfigError
+    from fastcov.trainer.config import load_config
+
+    assert LossConfig(cov_score="random_matched").cov_score == "random_matched"
+    with pytest.raises(ValueError, match="cov_score must be one of"):
+        LossConfig(cov_score="random_match")
+    assert load_config("configs/demo.yaml", ["algo.mode=clip_cov", "algo.cov_score=random_matched"]).algo.cov_score \
+        == "random_matched"
+    with pytest.raises(ConfigError, match="^algo.cov_score: random_matched is a control"):
+        load_config("configs/demo.yaml", ["algo.mode=vanilla", "algo.cov_score=random_matched"])

@@ -5,11 +5,13 @@ import torch
 
 from fastcov.kernels.covariance_torch import random_keys_torch
 from fastcov.selection import (
+    decorrelated_keys,
     draw_seed,
     float_order_key,
     random_keys,
     select_largest,
     select_random_in_band,
+    select_random_matched,
     select_top_covariance,
 )
 
@@ -233,3 +235,117 @@ def test_bad_arguments_raise_naming_them():
         select_random_in_band(scores, mask, 0.1, 1.0, 5.0, keys=torch.zeros(2, 3))
     with pytest.raises(TypeError, match="ratio must be a float"):
         select_top_covariance(scores, mask, "0.1")
+
+
+# ---------------------------------------------------------------- the random control of a selection
+
+
+def _keys(shape, seed):
+    return random_keys(shape, torch.device("cpu"), torch.tensor([seed], dtype=torch.int64))
+
+
+def test_random_matched_takes_as_many_valid_tokens_as_the_reference():
+    g = torch.Generator().manual_seed(3)
+    mask = torch.rand(5, 11, generator=g) < 0.7
+    mask[0] = False
+    reference = torch.rand(5, 11, generator=g) < 0.2  # some of it on invalid tokens: not counted
+    n_ref = int((reference & mask).sum())
+    assert 0 < n_ref < int(reference.sum())
+    picked = select_random_matched(reference, mask, _keys(mask.shape, 11))
+    assert int(picked.sum()) == n_ref and not (picked & ~mask).any()
+    # the keys decide: the n_ref valid tokens with the largest keys (plain-Python reference)
+    keys = _keys(mask.shape, 11).reshape(-1).tolist()
+    valid = [i for i, v in enumerate(mask.reshape(-1).tolist()) if v]
+    expected = torch.zeros(mask.numel(), dtype=torch.bool)
+    expected[sorted(valid, key=lambda i: (-keys[i], i))[:n_ref]] = True
+    assert torch.equal(picked, expected.reshape(mask.shape))
+    assert not select_random_matched(torch.zeros_like(mask), mask, _keys(mask.shape, 1)).any()
+
+
+def test_random_matched_is_uniform_over_all_valid_tokens_and_deterministic_per_seed():
+    mask = torch.ones(1, 20, dtype=torch.bool)
+    mask[0, 15:] = False
+    reference = torch.zeros(1, 20, dtype=torch.bool)
+    reference[0, :4] = True  # 4 tokens, all among the first ones: the control must not stay there
+    counts = torch.zeros(20)
+    trials = 400
+    for seed in range(trials):
+        counts += select_random_matched(reference, mask, decorrelated_keys(_keys(mask.shape, seed))).reshape(-1)
+    assert counts.sum() == 4 * trials and counts[15:].sum() == 0
+    # each of the 15 valid positions: expected 4/15 x 400 ≈ 106.7, binomial sd ≈ 8.8
+    chi2 = float(((counts[:15] - 4 * trials / 15) ** 2 / (4 * trials / 15)).sum())
+    assert chi2 < 50  # 14 degrees of freedom: p ≈ 5e-6
+    keys = _keys(mask.shape, 5)
+    assert torch.equal(select_random_matched(reference, mask, keys), select_random_matched(reference, mask, keys))
+
+
+def test_decorrelated_keys_are_a_bijection_with_an_unrelated_order():
+    keys = _keys((64, 64), 2**40 + 9)
+    again = decorrelated_keys(keys)
+    assert again.dtype == torch.int64 and int(again.min()) >= 0 and int(again.max()) < 2**32
+    assert again.unique().numel() == keys.unique().numel() == keys.numel()  # no new collisions
+    assert torch.equal(again, decorrelated_keys(keys))
+    # the top 10% by the two orders overlap as two independent 10% draws would (expected 0.1 x 410)
+    top = keys.reshape(-1).topk(410).indices
+    top_again = again.reshape(-1).topk(410).indices
+    overlap = len(set(top.tolist()) & set(top_again.tolist()))
+    assert overlap < 80
+
+
+def test_random_matched_rejects_bad_inputs_naming_them():
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    with pytest.raises(ValueError, match="mask has shape"):
+        select_random_matched(mask, torch.ones(3, 2, dtype=torch.bool), _keys((2, 3), 1))
+    with pytest.raises(TypeError, match="keys must be int64"):
+        select_random_matched(mask, mask, torch.zeros(2, 3))
+
+
+def _matched_worker(rank: int, port: int, out_dir: str) -> None:
+    from datetime import timedelta
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=120))
+    try:
+        rows = slice(0, 4) if rank == 0 else slice(4, 9)  # unequal shares
+        batch = [t[rows] for t in _matched_batch()]
+        seed = 7 if rank == 0 else 1007  # only group rank 0's draw may matter
+        torch.save(_matched_selections(batch, dist.group.WORLD, seed), Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _matched_batch():
+    g = torch.Generator().manual_seed(2024)
+    mask = torch.arange(17)[None, :] < torch.randint(1, 18, (9,), generator=g)[:, None]
+    logprob = -3 * torch.rand(9, 17, generator=g, dtype=torch.float64)
+    old = logprob + 0.2 * torch.randn(9, 17, generator=g, dtype=torch.float64)
+    adv = (2 * torch.randn(9, 1, generator=g, dtype=torch.float64)).expand(9, 17) * mask
+    return logprob, old, adv.contiguous(), mask
+
+
+def _matched_selections(batch, group, seed):
+    from fastcov.losses import LossConfig, compute_global_selection
+
+    cfg = LossConfig(clip_cov_ratio=0.2, clip_cov_lb=-0.5, clip_cov_ub=1.5, kl_cov_ratio=0.1, cov_score="random_matched")
+    out = {}
+    for mode in ("clip_cov", "kl_cov"):
+        sel = compute_global_selection(*batch, mode=mode, config=cfg, group=group,
+                                       generator=torch.Generator().manual_seed(seed))
+        out[mode] = (sel.cov, sel.reference)
+    return out
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
+def test_random_matched_over_two_gloo_ranks_equals_one_process(tmp_path):
+    from _dist import free_port, spawn_ranks
+
+    spawn_ranks(_matched_worker, (free_port(), str(tmp_path)), 2)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    single = _matched_selections(_matched_batch(), None, 7)
+    for mode, (control, reference) in single.items():
+        assert 1 < int(control.sum()) == int(reference.sum()) and not torch.equal(control, reference)
+        assert torch.equal(torch.cat([r[mode][0] for r in ranks]), control), mode
+        assert torch.equal(torch.cat([r[mode][1] for r in ranks]), reference), mode

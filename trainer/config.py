@@ -202,7 +202,9 @@ class AlgoConfig:
     pos_weight_values: list[float] = field(default_factory=list)
     pos_weight_steps_per_epoch: int = 0
     high_entropy_fraction: float | None = LossConfig.high_entropy_fraction
-    cov_score: Literal["batch", "vocab", "random"] = LossConfig.cov_score
+    # random: KL-Cov's control (as many tokens, at random); random_matched: Clip-Cov's (as many as it picks with
+    # c_t, uniformly among all valid tokens). Both log sel/jaccard_vs_cov (docs/design.md §4).
+    cov_score: Literal["batch", "vocab", "random", "random_matched"] = LossConfig.cov_score
     # DAPO dynamic sampling (verl's algorithm.filter_groups): drop prompt groups whose rewards are all equal
     # and, while fewer than trainer.prompts_per_step groups are kept, generate another batch of prompts, up
     # to max_gen_batches batches per step (0 = until full, as verl's max_num_gen_batches <= 0); a full batch
@@ -435,6 +437,8 @@ def _check_registered(cfg: Config) -> None:
             near = difflib.get_close_matches(str(value), list(registry.names()) + list(extra), n=1)
             hint = f" (did you mean {near[0]!r}?)" if near else ""
             raise ConfigError(f"{key}: unknown {registry.kind} {value!r}{hint}; registered: {names}")
+    _check(a.cov_score != "random_matched" or MODES.get(a.mode).selector is not None, "algo.cov_score",
+           f"random_matched is a control of a token selection, and algo.mode={a.mode} selects none (clip_cov, kl_cov)")
 
 
 def _validate_model_data(m: ModelConfig, d: DataConfig) -> None:

@@ -95,6 +95,9 @@ from fastcov.trainer.token_level.advantages import make_token_advantages, prime_
 LOSS_METRICS = ("ppo_kl", "clipfrac", "selected_frac", "selected_pos_adv", "selected_prob", "selected_cov",
                 "cov_mean", "cov_max", "entropy")
 LOSS_METRIC_NAMES = {"entropy": "update_entropy"}
+# summed like LOSS_METRICS, logged only as sel/* ratios: the overlap of a random control with the covariance
+# rule's pick (policy_loss), and the selected tokens' relative position in their response (global scope)
+SELECTION_DIAGNOSTICS = ("selected_and_ref", "selected_or_ref", "selected_pos")
 
 
 class RolloutError(RuntimeError):
@@ -213,6 +216,16 @@ def mini_batch_selection(engine, mini: list[Sequence], mbs: list[MicroBatch], cf
     )
 
 
+def selected_position_sum(cov: torch.Tensor | None, mini: list[Sequence]) -> float:
+    """Σ over the selected tokens of their relative position t / (n − 1) in their response (0: the first token,
+    1: the last) in the per-sequence layout [S, T] of ``mini_batch_selection``; 0.0 without a selection."""
+    if cov is None or cov.numel() == 0:
+        return 0.0
+    last = torch.tensor([max(len(s.response) - 1, 1) for s in mini], dtype=torch.float64, device=cov.device)
+    position = torch.arange(cov.shape[1], dtype=torch.float64, device=cov.device)[None, :] / last[:, None]
+    return float((cov * position).sum())
+
+
 @dataclass
 class UpdateStats:
     """What step 5 reports: loss and ``LOSS_METRICS`` sums (weighted by micro-batch tokens) on this rank,
@@ -261,6 +274,8 @@ def update_policy(engine, seqs: list[Sequence], kept_groups: list[int], cfg: Con
             if global_scope and needs_selection:
                 selection = mini_batch_selection(engine, mini, mbs, cfg, loss_cfg, device, generator, group,
                                                  reuse_old=epoch == 0 and m == 0)
+                stats.metric_sums["selected_pos"] = (stats.metric_sums.get("selected_pos", 0.0)
+                                                     + selected_position_sum(selection.cov, mini))
             poisoned = False
             for j, mb in enumerate(mbs):
                 with offloaded():
@@ -268,7 +283,7 @@ def update_policy(engine, seqs: list[Sequence], kept_groups: list[int], cfg: Con
                 mb_selection = None
                 if selection is not None:
                     mb_selection = Selection(*(None if x is None else mb.from_sequences(x)
-                                               for x in (selection.cov, selection.high_entropy)))
+                                               for x in (selection.cov, selection.high_entropy, selection.reference)))
                 loss, metrics = policy_loss(
                     res.logprob, mb.old_logprob, mb.advantages, mb.mask,
                     mode=a.mode, agg=a.loss_agg, scope=a.scope, config=loss_cfg,
@@ -284,7 +299,7 @@ def update_policy(engine, seqs: list[Sequence], kept_groups: list[int], cfg: Con
                 engine.backward(scaled, boundary=j == len(mbs) - 1)
                 if mb.weight > 0 and bool(torch.isfinite(loss)):
                     stats.loss_sum += float(loss.detach())
-                    for k in LOSS_METRICS:
+                    for k in LOSS_METRICS + SELECTION_DIAGNOSTICS[:2]:
                         v = float(metrics.get(k, 0.0))
                         if math.isfinite(v):
                             stats.metric_sums[k] = stats.metric_sums.get(k, 0.0) + v * mb.n_tokens
@@ -744,9 +759,23 @@ def step_metrics(run: Run, col: Collected, upd: UpdateStats, old: list[float], l
         rec["sel/pos_adv_share"] = rec["selected_pos_adv"] / sel
         rec["sel/mean_prob"] = rec["selected_prob"] / sel
         rec["sel/mean_cov"] = rec["selected_cov"] / sel
+    rec.update(selection_diagnostics(run, upd, sel, m_n))
     if run.lam_sched is not None:
         run.lam_sched.step(entropy=rec["entropy"])
     return p_sum + len_sum
+
+
+def selection_diagnostics(run: Run, upd: UpdateStats, sel: float, m_n: float) -> dict:
+    """sel/mean_pos (global scope: the selected tokens' mean relative position in their response) and, for a
+    random control, sel/jaccard_vs_cov: |control ∩ c_t's pick| / |control ∪ c_t's pick|, pooled over the step."""
+    a = run.cfg.algo
+    both, either, pos = all_sum([upd.metric_sums.get(k, 0.0) for k in SELECTION_DIAGNOSTICS], run.device)
+    out = {}
+    if sel > 0 and a.scope == "global":
+        out["sel/mean_pos"] = pos / (sel * max(m_n, 1))
+    if a.cov_score in ("random", "random_matched") and either > 0:
+        out["sel/jaccard_vs_cov"] = both / either
+    return out
 
 
 def _save_is_due(run: Run) -> bool:
