@@ -234,3 +234,32 @@ def test_offloaded_activations_give_the_same_gradients():
     assert grads[0].keys() == grads[1].keys() and grads[0]
     for n in grads[0]:
         torch.testing.assert_close(grads[0][n], grads[1][n], rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------------- ZeRO stages
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2])
+def test_lora_under_zero_1_and_2_trains_only_adapters(tmp_path, monkeypatch, stage):
+    run, seen, changed = _train_and_compare(tmp_path, monkeypatch, "run", f"trainer.zero_stage={stage}")
+    assert changed and changed <= seen["trainable"] and all(".lora_" in n for n in changed)
+    assert read_metrics(run / "metrics.jsonl")[-1]["grad_norm"] > 0
+
+
+@pytest.mark.slow
+def test_lora_under_zero3_syncs_adapters_into_the_rollout_copy(tmp_path):
+    """ZeRO-3 (one process): the HF engine samples from its own copy, built with the same adapter modules;
+    the first sync sends everything, later ones the adapters only, and the copy's log-probs stay the policy's."""
+    seen = {}
+
+    def on_end(engine, rollout):
+        seen["copy"] = rollout.model is not engine.policy.lm
+        seen["adapter_bytes"] = sum(p.ds_numel * p.element_size() for n, p in engine.policy.lm.named_parameters()
+                                    if p.requires_grad)
+
+    run = train_mod.train(tiny(tmp_path, "z3", *LORA, "trainer.zero_stage=3", "trainer.max_steps=2"), on_end=on_end)
+    recs = read_metrics(run / "metrics.jsonl")
+    assert seen["copy"] and recs[-1]["grad_norm"] > 0
+    assert recs[-1]["sync_bytes"] == seen["adapter_bytes"]
+    assert all(abs(r["rollout_logprob_diff"]) < 1e-4 for r in recs)  # step 2 samples from the synced adapters
+    assert (run / "final" / "adapter_model.safetensors").is_file()

@@ -16,6 +16,7 @@ from torch import nn
 
 from fastcov.trainer.rollout.base import ROLLOUT_ENGINES, RolloutBatch, RolloutEngine, SamplingParams
 from fastcov.trainer.rollout.hf import HFRolloutEngine
+from fastcov.trainer.runtime.lora import copy_adapter_layout, has_adapters
 from fastcov.trainer.runtime.precision import param_dtype
 from fastcov.trainer.runtime.weight_buckets import drain
 
@@ -114,6 +115,8 @@ def make_hf_engine(cfg, model: nn.Module, tokenizer, *, device: torch.device, ra
 
     def own_copy() -> HFRolloutEngine:
         lm = rollout_copy(model.config, device, param_dtype(cfg.model, device))
+        if has_adapters(model):  # LoRA: the same adapter modules, so the sync fills them by name
+            lm = copy_adapter_layout(model, lm)
         return HFRolloutEngine(lm, eos_ids, tokenizer.pad_token_id, r.batch_size, r.token_budget)
 
     if r.hf_copies == "rank" or world == 1:
