@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo study lint test test-fast test-verl test-vllm test-vllm-api bench compile-report clean
+.PHONY: demo study study-selection lint test test-fast test-verl test-vllm test-vllm-api bench compile-report clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -99,6 +99,14 @@ study: $(STAMP)
 		export DS_ACCELERATOR=cpu; fi; \
 	$(PY) -m fastcov.trainer.study configs/studies/entropy-control.yaml --jobs $(STUDY_JOBS) $(STUDY_ARGS) && \
 	$(PY) -m fastcov.trainer.study configs/studies/hard-task.yaml --jobs $(STUDY_JOBS) $(STUDY_ARGS)
+
+# Does choosing tokens by covariance matter (issue 34)? KL-Cov against random tokens at ratios 0.05-0.5, Clip-Cov
+# against its random control (cov_score=random_matched), GRPO; 3 seeds: runs/study-selection/report.md and
+# selection.png. STUDY_ARGS="--report-only" rewrites the report from the cached runs.
+study-selection: $(STAMP)
+	@if ! $(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
+		export DS_ACCELERATOR=cpu; fi; \
+	$(PY) -m fastcov.trainer.study configs/studies/selection.yaml --jobs $(STUDY_JOBS) $(STUDY_ARGS)
 
 clean:
 	rm -rf $(VENV) $(VERL_VENV) $(VLLM_VENV) build *.egg-info .pytest_cache

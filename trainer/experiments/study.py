@@ -26,7 +26,11 @@ every run on ``<out>/data/harder.parquet`` (problems with one operation more tha
 own table); ``task: {max_ops: 3, style_weights: [...]}`` changes
 that task and warm-start as the demo's ``--max-ops``, ``--max-value`` and ``--style-weights`` do;
 ``setup: none`` leaves model and data to the base config and overrides. Command-line KEY=VALUE overrides
-apply to every arm, after the study's own.
+apply to every arm, after the study's own. ``selection_contrasts: ["kl_cov_0.1 - kl_cov_random_0.1"]``
+pairs a covariance-selected arm with its random-token control: the report then has a section per pair (the
+method and ratio read from the arm's config), the overlap of the control with the covariance pick, what the
+selected tokens are, and ``selection.png`` (selection − random against the ratio); such a study keeps the
+per-seed layout ``<out>/<arm>/seed<s>`` even for one seed, so a smoke run reports the same way.
 Each arm trains with ``--overwrite`` semantics (an earlier run is moved aside, never deleted).
 """
 
@@ -55,9 +59,9 @@ def load_study(path: str | Path) -> dict:
         raise UserError(f"{p}: a study needs 'arms', a mapping of name -> list of KEY=VALUE overrides")
     for key in data:
         if key not in ("title", "base", "out", "setup", "task", "common", "arms", "notes", "seeds", "pass_k",
-                       "contrasts"):
+                       "contrasts", "selection_contrasts"):
             raise UserError(f"{p}: unknown study key {key!r} (title, base, out, setup, task, common, arms, notes, "
-                            "seeds, pass_k, contrasts)")
+                            "seeds, pass_k, contrasts, selection_contrasts)")
     seeds = data.get("seeds", [None])
     if not isinstance(seeds, list) or not seeds or not all(s is None or (isinstance(s, int) and s >= 0) for s in seeds):
         raise UserError(f"{p}: seeds must be a non-empty list of non-negative ints, got {seeds!r}")
@@ -67,10 +71,11 @@ def load_study(path: str | Path) -> dict:
     for name, over in data["arms"].items():
         if not isinstance(over, list) or not all(isinstance(o, str) and "=" in o for o in over):
             raise UserError(f"{p}: arms.{name} must be a list of KEY=VALUE strings")
-    for c in data.get("contrasts") or []:
-        pair = _contrast(c)
-        if len(pair) != 2 or not all(x in data["arms"] for x in pair):
-            raise UserError(f"{p}: contrasts entries are 'ARM - ARM' with both arms in 'arms', got {c!r}")
+    for key in ("contrasts", "selection_contrasts"):
+        for c in data.get(key) or []:
+            pair = _contrast(c)
+            if len(pair) != 2 or not all(x in data["arms"] for x in pair):
+                raise UserError(f"{p}: {key} entries are 'ARM - ARM' with both arms in 'arms', got {c!r}")
     return data
 
 
@@ -162,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                 seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
             except ValueError:
                 raise UserError(f"--seeds: expected comma-separated ints, got {args.seeds!r}") from None
-        multi = len(seeds) > 1
+        multi = len(seeds) > 1 or bool(study.get("selection_contrasts"))
         runs = [(a, sd) for a in arms for sd in seeds]  # arm-major: one arm's seeds back to back
 
         def run_dir(a, sd):
@@ -192,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
             evaluate_harder_runs(run_dirs, cfgs, out / "data" / "harder.parquet", out / "sft" / "model", "study")
         total = time.perf_counter() - t_start
     if multi:
-        return _seed_report(study, args, out, base, arms, seeds, run_dirs, timings, total)
+        return _seed_report(study, args, out, base, arms, seeds, run_dirs, timings, total, cfgs)
     run_dirs = [run_dirs[(a, seeds[0])] for a in arms]
     pre = (f"Study `{os.path.relpath(args.study)}` on `{os.path.relpath(base)}`; wall time {_wall(total)} ("
            + ", ".join(f"{a} {s:.0f}s" for a, s in timings.items()) + ").")
@@ -244,11 +249,34 @@ def _seconds_of(run_dir: Path) -> float:
     return sum(r.get("time/step", 0.0) for r in read_rows(run_dir / "metrics.jsonl"))
 
 
-def _seed_report(study, args, out: Path, base: str, arms, seeds, run_dirs, timings, total) -> int:
-    """report.md, study.json and entropy_bands.png of a multi-seed study (mean ± 95% CI across seeds)."""
+def _selection_pairs(study: dict, arms, seeds, cfgs: dict) -> list[dict]:
+    """The study's ``selection_contrasts`` among the arms run, each with what its arm's config says: the method
+    (algo.mode), its ratio (clip_cov_ratio or kl_cov_ratio), prompts per step and the control's cov_score."""
+    pairs = []
+    for entry in study.get("selection_contrasts") or []:
+        arm, control = _contrast(entry)
+        if arm not in arms or control not in arms:
+            continue
+        a, t = cfgs[(arm, seeds[0])].algo, cfgs[(arm, seeds[0])].trainer
+        ratio = a.clip_cov_ratio if a.mode == "clip_cov" else a.kl_cov_ratio
+        pairs.append({"arm": arm, "control": control, "method": a.mode, "ratio": ratio,
+                      "prompts": t.prompts_per_step, "control_score": cfgs[(control, seeds[0])].algo.cov_score})
+    return pairs
+
+
+def _seed_report(study, args, out: Path, base: str, arms, seeds, run_dirs, timings, total, cfgs) -> int:
+    """report.md, study.json and entropy_bands.png of a multi-seed study (mean ± 95% CI across seeds); with
+    ``selection_contrasts`` also the selection section and selection.png."""
     import json
 
-    from fastcov.trainer.experiments.study_report import plot_bands, plot_harder, run_numbers, study_tables
+    from fastcov.trainer.experiments.study_report import (
+        plot_bands,
+        plot_harder,
+        plot_selection,
+        run_numbers,
+        selection_section,
+        study_tables,
+    )
 
     pass_k = int(study.get("pass_k", 8))
     numbers = {a: [run_numbers(run_dirs[(a, sd)], pass_k) for sd in seeds] for a in arms}
@@ -263,6 +291,11 @@ def _seed_report(study, args, out: Path, base: str, arms, seeds, run_dirs, timin
     if study.get("notes"):
         head += [str(study["notes"]).strip(), ""]
     bars = plot_harder(summary["harder"], out / "harder.png") if "harder" in summary else None
+    pairs = _selection_pairs(study, arms, seeds, cfgs)
+    if pairs:
+        lines += selection_section(numbers, pairs, pass_k, summary)
+        sel_plot = plot_selection(summary["selection"], out / "selection.png", summary["selection_labels"])
+        lines += ["", f"![selection − random against the ratio]({sel_plot.name})"] if sel_plot else []
     body = head + lines + (["", f"![entropy across seeds]({plot.name})"] if plot else []) + (
         ["", f"![problems with one operation more]({bars.name})"] if bars else [])
     (out / "report.md").write_text("\n".join(body) + "\n")

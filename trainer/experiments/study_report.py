@@ -137,8 +137,16 @@ def run_numbers(run_dir: Path, pass_k: int) -> dict[str, Any]:
         "selected_pos_adv_share": (sum(r["sel/pos_adv_share"] for r in sel) / len(sel)) if sel else None,
         "selected_prob": (sum(r["sel/mean_prob"] for r in sel) / len(sel)) if sel else None,
         "selected_cov": (sum(r["sel/mean_cov"] for r in sel) / len(sel)) if sel else None,
+        "selected_pos": _mean_of(train, "sel/mean_pos"),
+        "jaccard_vs_cov": _mean_of(train, "sel/jaccard_vs_cov"),
         "harder": _read_harder(Path(run_dir)),
     }
+
+
+def _mean_of(rows: list[dict[str, Any]], key: str) -> float | None:
+    """The mean of ``key`` over the rows that have it; None when none does."""
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return sum(values) / len(values) if values else None
 
 
 def _read_harder(run_dir: Path) -> dict[str, Any] | None:
@@ -402,6 +410,180 @@ def plot_harder(harder: dict[str, Any], path: Path) -> Path | None:
     ax.set_title(f"Problems with one operation more than training, {k} samples each\n"
                  "(bars: mean over seeds, whiskers: 95% CI)", fontsize=10)
     ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------- selection − random (configs/studies/selection.yaml)
+
+METHOD_NAMES = {"kl_cov": "KL-Cov", "clip_cov": "Clip-Cov"}
+
+
+def _selection_metrics(numbers: dict[str, list[dict[str, Any]]], pass_k: int) -> list[tuple[str, str, Any]]:
+    """(key, label, value of a run) of what a selection contrast compares: the end entropy, pass@k and mean@k on
+    the held-out prompts and, where every run has them, on the problems with one operation more."""
+    out = [("entropy_end", "entropy at the end (nats/token)", lambda r: r["final_entropy"]),
+           (f"pass@{pass_k}", f"pass@{pass_k}, held-out prompts", lambda r: r.get(f"pass@{pass_k}")),
+           (f"mean@{pass_k}", f"mean@{pass_k}, held-out prompts", lambda r: r.get(f"mean@{pass_k}"))]
+    runs = [r for rs in numbers.values() for r in rs]
+    if runs and all(r.get("harder") for r in runs):
+        k = runs[0]["harder"]["k"]
+        for m in (f"pass@{k}", f"mean@{k}"):
+            out.append((f"harder_{m}", f"{m}, one operation more", lambda r, m=m: r["harder"]["end"].get(m)))
+    return out
+
+
+def _pair_stats(numbers, arm: str, control: str, value) -> dict[str, Any] | None:
+    """Both arms' mean ± CI of ``value`` across seeds and their difference (Welch); None when a run lacks it."""
+    vals = [[value(r) for r in numbers[x]] for x in (arm, control)]
+    if any(v is None for vs in vals for v in vs):
+        return None
+    (ms, hs), (mc, hc), (d, hd) = mean_ci(vals[0]), mean_ci(vals[1]), diff_ci(*vals)
+    return {"selection": {"mean": ms, "ci95": hs}, "random": {"mean": mc, "ci95": hc},
+            "diff": {"mean": d, "ci95": hd, "excludes_zero": _excludes_zero(d, hd)}}
+
+
+def _pair_label(pair: dict[str, Any]) -> str:
+    return f"{METHOD_NAMES.get(pair['method'], pair['method'])} {pair['ratio']:g}, {pair['prompts']} prompts/step"
+
+
+def selection_section(numbers: dict[str, list[dict[str, Any]]], pairs: Sequence[dict[str, Any]], pass_k: int,
+                      summary: dict[str, Any]) -> list[str]:
+    """The report's answer to "does choosing tokens by covariance matter?": per (selection arm, random control)
+    pair, the tokens each selects per mini-batch and their overlap, each metric's selection − random with
+    Welch's 95% interval, what the selected tokens are beside the random ones, and a paragraph that states
+    which contrasts exclude 0. ``pairs``: dicts with arm, control, method, ratio, prompts (study.py). Records
+    ``summary["selection"]``."""
+    pairs = [p for p in pairs if p["arm"] in numbers and p["control"] in numbers]
+    metrics = _selection_metrics(numbers, pass_k)
+    entries = []
+    for p in pairs:
+        contrasts = {key: _pair_stats(numbers, p["arm"], p["control"], value) for key, _, value in metrics}
+        tokens = {role: _mean_ci_of_known([r.get("selected_tokens") for r in numbers[p[role]]])
+                  for role in ("arm", "control")}
+        jaccard = _mean_ci_of_known([r.get("jaccard_vs_cov") for r in numbers[p["control"]]])
+        entries.append({**p, "contrasts": {k: v for k, v in contrasts.items() if v is not None},
+                        "tokens": {role: {"mean": m, "ci95": h} for role, (m, h) in tokens.items()},
+                        "jaccard": {"mean": jaccard[0], "ci95": jaccard[1]}})
+    summary["selection"] = entries
+    summary["selection_labels"] = {key: label for key, label, _ in metrics}
+    lines = ["", "## Selection − random, per ratio", "",
+             "Each covariance-selected arm against its control on as many tokens chosen at random (KL-Cov: "
+             "`algo.cov_score=random`; Clip-Cov: `algo.cov_score=random_matched`, uniform over all valid tokens). "
+             "Tokens per mini-batch: the tokens selected per optimizer update (mean over steps, then ± across "
+             "seeds). Jaccard: the control's tokens against what c_t would have picked on the same mini-batch, "
+             "|R ∩ C| / |R ∪ C| pooled per step (0: disjoint, 1: the same tokens); two independent uniform picks of "
+             "a fraction f of the tokens overlap by f / (2 − f) on average (chance, for KL-Cov's f = ratio). "
+             "* marks a 95% interval that excludes 0.", "",
+             "| selection | ratio | prompts/step | tokens per mini-batch, selection | tokens per mini-batch, random "
+             "| Jaccard random vs c_t's pick | chance |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for e in entries:
+        t = e["tokens"]
+        chance = f"{e['ratio'] / (2 - e['ratio']):.3f}" if e["method"] == "kl_cov" else "—"
+        lines.append(f"| {e['arm']} | {e['ratio']:g} | {e['prompts']} | "
+                     f"{_cell(t['arm']['mean'], t['arm']['ci95'], '.1f')} | "
+                     f"{_cell(t['control']['mean'], t['control']['ci95'], '.1f')} | "
+                     f"{_cell(e['jaccard']['mean'], e['jaccard']['ci95'])} | {chance} |")
+    for key, label, _ in metrics:
+        rows = [_contrast_row(e, e["contrasts"][key]) for e in entries if key in e["contrasts"]]
+        if rows:
+            lines += ["", f"{label}:", "", "| selection | random control | ratio | prompts/step | selection | random "
+                      "| selection − random |", "|---|---|---:|---:|---:|---:|---:|", *rows]
+    lines += _composition_lines(numbers, entries)
+    lines += ["", selection_paragraph(entries, {key: label for key, label, _ in metrics})]
+    return lines
+
+
+def _contrast_row(e: dict[str, Any], c: dict[str, Any]) -> str:
+    d = c["diff"]
+    diff = "—" if d["mean"] is None else f"{d['mean']:+.3f}" + ("" if d["ci95"] is None else f" ± {d['ci95']:.3f}")
+    return (f"| {e['arm']} | {e['control']} | {e['ratio']:g} | {e['prompts']} | "
+            f"{_cell(c['selection']['mean'], c['selection']['ci95'])} | "
+            f"{_cell(c['random']['mean'], c['random']['ci95'])} | {diff}{' *' if d['excludes_zero'] else ''} |")
+
+
+def _composition_lines(numbers: dict[str, list[dict[str, Any]]], entries: Sequence[dict[str, Any]]) -> list[str]:
+    """What the selected tokens are, beside the random ones: share with A > 0, mean probability, mean relative
+    position in the response (0: first token, 1: last), means over steps and seeds."""
+    lines = ["", "What the tokens are (means over steps and seeds; position: 0 the response's first token, 1 its "
+             "last):", "", "| arm | picked by | share with A > 0 | mean p | mean position |",
+             "|---|---|---:|---:|---:|"]
+    for e in entries:
+        for role, how in (("arm", "c_t"), ("control", "random")):
+            runs = numbers[e[role]]
+            cells = []
+            for key, spec in (("selected_pos_adv_share", ".2f"), ("selected_prob", ".3f"), ("selected_pos", ".2f")):
+                m, _ = _mean_ci_of_known([r.get(key) for r in runs])
+                cells.append("—" if m is None else f"{m:{spec}}")
+            lines.append(f"| {e[role]} | {how} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def selection_paragraph(entries: Sequence[dict[str, Any]], labels: dict[str, str]) -> str:
+    """A paragraph, generated from the numbers, that states which selection − random contrasts exclude 0."""
+    total = sum(len(e["contrasts"]) for e in entries)
+    if not entries or not total:
+        return "No selection − random contrast could be computed (no pair of arms with numbers)."
+    if all(c["diff"]["ci95"] is None for e in entries for c in e["contrasts"].values()):
+        return (f"With one seed per arm there are no intervals, so none of the {total} selection − random "
+                "contrasts can be said to exclude 0.")
+    hits = [f"{_pair_label(e)}: {labels[key]} {c['diff']['mean']:+.3f} ± {c['diff']['ci95']:.3f}"
+            for e in entries for key, c in e["contrasts"].items() if c["diff"]["excludes_zero"]]
+    text = (f"Of the {total} selection − random contrasts, " + (
+        f"{len(hits)} exclude{'s' if len(hits) == 1 else ''} 0: " + "; ".join(hits) + ". The others include 0."
+        if hits else "none excludes 0: at this scale and with these seeds, choosing the tokens by covariance is "
+        "not measurably different from choosing as many at random."))
+    overlaps = [(e, e["jaccard"]["mean"]) for e in entries if e["jaccard"]["mean"] is not None]
+    if overlaps:
+        text += " The random controls overlap c_t's pick with a Jaccard index of " + ", ".join(
+            f"{j:.2f} ({_pair_label(e)})" for e, j in overlaps) + "."
+    return text
+
+
+def plot_selection(entries: Sequence[dict[str, Any]], path: Path, labels: dict[str, str] | None = None) -> Path | None:
+    """selection − random (mean, 95% interval) against the ratio, one panel per metric (titled by ``labels``) and
+    one for the control's Jaccard overlap with c_t's pick beside chance, f / (2 − f); one series per (method,
+    prompts per step), nudged apart along the ratio axis so that equal ratios stay readable."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    keys = list(dict.fromkeys(k for e in entries for k in e["contrasts"]))
+    if not keys:
+        return None
+    series: dict[str, list[dict[str, Any]]] = {}
+    for e in entries:
+        series.setdefault(f"{METHOD_NAMES.get(e['method'], e['method'])}, {e['prompts']} prompts/step", []).append(e)
+    fig, axes = plt.subplots(2, 3, figsize=(13, 7))
+    labels = labels or {}
+    panels = [(k, f"{labels.get(k, k)}: selection − random") for k in keys] + [
+        ("jaccard", "Jaccard index, random vs c_t's pick (dotted: chance)")]
+    ratios = sorted({e["ratio"] for e in entries})
+    for ax, (key, title) in zip(axes.flat, panels):
+        for i, (name, group) in enumerate(series.items()):
+            group = sorted(group, key=lambda e: e["ratio"])
+            stats = [e["jaccard"] if key == "jaccard" else e["contrasts"].get(key, {}).get("diff") for e in group]
+            pts = [(e["ratio"] * 1.06 ** i, s["mean"], s["ci95"] or 0.0) for e, s in zip(group, stats)
+                   if s and s["mean"] is not None]
+            if pts:
+                ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], marker="o",
+                            capsize=3, label=name)
+        if key != "jaccard":
+            ax.axhline(0.0, color="grey", lw=0.8)
+        else:
+            ax.plot(ratios, [f / (2 - f) for f in ratios], ":", color="grey")
+        ax.set_xscale("log")
+        ax.set_xlabel("ratio")
+        ax.set_title(title, fontsize=9)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    axes.flat[0].legend(fontsize=8)
+    fig.suptitle("Covariance selection − random control (mean over seeds, whiskers: 95% CI)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
