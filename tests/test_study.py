@@ -145,3 +145,73 @@ def test_last_step_reads_the_newest_complete_row_of_this_run(tmp_path):
     m.write_text('{"step": 0}\n{"step": 1, "entropy": 0.3}\n{"step": 2, "ent')  # a torn last line
     assert _last_step(m, 0.0) == 1
     assert _last_step(m, time.time() + 60) == 0  # older than the watch: an earlier run's file
+
+
+SELECTION = ROOT / "configs" / "studies" / "selection.yaml"
+
+
+def test_selection_study_pairs_each_method_with_its_random_control():
+    """configs/studies/selection.yaml (issue 34): KL-Cov at 0.05-0.5 against cov_score=random, Clip-Cov at the
+    demo's setting against cov_score=random_matched, each pair alike but for the score; GRPO; 3 seeds; the
+    demo's task and evaluation."""
+    from fastcov.trainer.config import load_config
+    from fastcov.trainer.experiments.study import _selection_pairs, load_study
+
+    study = load_study(SELECTION)
+    control = load_study(ROOT / "configs" / "studies" / "entropy-control.yaml")
+    assert study["seeds"] == [0, 1, 2] and study["setup"] == "demo" and study["common"] == control["common"]
+    assert study["task"] == control["task"] and study["arms"]["grpo"] == ["algo.mode=vanilla"]
+    demo = load_config(ROOT / "configs" / "demo.yaml", ["model.path=/m"])
+    seeds = study["seeds"]
+    cfgs = {(a, sd): load_config(ROOT / study["base"], ["model.path=/m"] + study["common"] + over)
+            for a, over in study["arms"].items() for sd in seeds}
+    pairs = _selection_pairs(study, list(study["arms"]), seeds, cfgs)
+    assert len(pairs) == len(study["selection_contrasts"]) == 6
+    for p in pairs:
+        arm, ctrl = cfgs[(p["arm"], 0)], cfgs[(p["control"], 0)]
+        assert arm.algo.cov_score == "batch" and ctrl.algo.cov_score == p["control_score"]
+        assert p["control_score"] == {"kl_cov": "random", "clip_cov": "random_matched"}[p["method"]]
+        # the pair differs in the score only
+        assert ctrl == load_config(ROOT / study["base"], ["model.path=/m"] + study["common"] + study["arms"][p["arm"]]
+                                   + [f"algo.cov_score={p['control_score']}"])
+    kl = sorted((p["ratio"], p["prompts"]) for p in pairs if p["method"] == "kl_cov")
+    assert kl == [(0.05, 16), (0.05, 32), (0.1, 16), (0.2, 16), (0.5, 16)]
+    clip = [p for p in pairs if p["method"] == "clip_cov"]
+    assert [(p["ratio"], p["prompts"]) for p in clip] == [(demo.algo.clip_cov_ratio, demo.trainer.prompts_per_step)]
+    assert _selection_pairs(study, ["grpo", "clip_cov", "clip_cov_random"], seeds, cfgs)[0]["arm"] == "clip_cov"
+
+
+def test_selection_contrasts_name_two_of_its_arms(tmp_path):
+    from fastcov.cli import UserError
+    from fastcov.trainer.experiments.study import load_study
+
+    path = tmp_path / "s.yaml"
+    path.write_text("arms: {kl_cov: [algo.mode=kl_cov]}\nselection_contrasts: ['kl_cov - kl_cov_random']\n")
+    with pytest.raises(UserError, match="selection_contrasts entries are 'ARM - ARM'"):
+        load_study(path)
+
+
+@pytest.mark.slow
+def test_selection_study_smoke_reports_the_selection_section(tmp_path):
+    """One seed of three arms at a tiny size: the per-seed layout, the selection section and its plot, the
+    random control's overlap metric, and --report-only writing the same report from the cached runs."""
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("transformers")
+    from fastcov.trainer.experiments.study import main
+
+    args = [str(SELECTION), "--out", str(tmp_path), "--seeds", "0", "--arms", "grpo,clip_cov,clip_cov_random"]
+    rc = main(args + ["--sft-steps", "2", "--n-train", "64", "--n-val", "4", "trainer.max_steps=3",
+                      "trainer.eval_every=3", "trainer.eval_k=2", "trainer.prompts_per_step=2", "rollout.n=4",
+                      "algo.mini_batches=1", "rollout.max_new_tokens=6", "algo.clip_cov_ratio=0.2",
+                      "algo.clip_cov_lb=-10.0", "trainer.progress=false"])
+    assert rc == 0
+    text = (tmp_path / "report.md").read_text()
+    assert "## Selection − random, per ratio" in text and "| clip_cov | 0.2 | 2 |" in text
+    assert "With one seed per arm there are no intervals" in text and (tmp_path / "selection.png").is_file()
+    rows = [json.loads(ln) for ln in (tmp_path / "clip_cov_random" / "seed0" / "metrics.jsonl").read_text().splitlines()]
+    assert all(0 <= r["sel/jaccard_vs_cov"] <= 1 for r in rows if r.get("selected_frac"))
+    summary = json.loads((tmp_path / "study.json").read_text())
+    tokens = summary["selection"][0]["tokens"]  # the band holds every token: both detach k = ⌊0.2·n⌋ per update
+    assert tokens["arm"]["mean"] > 0 and tokens["control"]["mean"] > 0
+    (tmp_path / "report.md").unlink()
+    assert main(args + ["--report-only"]) == 0 and (tmp_path / "report.md").read_text() == text

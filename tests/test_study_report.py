@@ -120,3 +120,51 @@ def test_harder_split_section_gives_changes_and_gaps_with_intervals():
     numbers["grpo"][1] = dict(numbers["grpo"][1], harder=None)
     lines2, summary2 = study_tables(numbers, 8)
     assert "harder" not in summary2 and not any("one operation more" in ln for ln in lines2)
+
+
+# ---------------------------------------------------------------- selection − random (configs/studies/selection.yaml)
+
+
+def _sel_run(end, passk, seed, jaccard=None, harder_p8=0.3):
+    run = dict(_run(0.4, end, passk, seed=seed), harder=_harder(0.6, harder_p8, 0.15, seed % 10))  # equal across arms
+    run.update(selected_tokens=12.0 + seed % 2, selected_pos_adv_share=0.6, selected_prob=0.8, selected_pos=0.4,
+               jaccard_vs_cov=jaccard)
+    return run
+
+
+def _pairs():
+    return [{"arm": "kl_cov_0.1", "control": "kl_cov_random_0.1", "method": "kl_cov", "ratio": 0.1, "prompts": 16},
+            {"arm": "clip_cov", "control": "clip_cov_random", "method": "clip_cov", "ratio": 0.02, "prompts": 16}]
+
+
+def test_selection_section_states_which_contrasts_exclude_zero(tmp_path):
+    from fastcov.trainer.experiments.study_report import plot_selection, selection_section
+
+    numbers = {"kl_cov_0.1": [_sel_run(0.30, 0.9, s) for s in range(3)],  # +0.1 nats over its control
+               "kl_cov_random_0.1": [_sel_run(0.20, 0.9, 10 + s, jaccard=0.05 + 0.01 * s) for s in range(3)],
+               "clip_cov": [_sel_run(0.25, 0.9, 20 + s) for s in range(3)],  # as its control, within the noise
+               "clip_cov_random": [_sel_run(0.25, 0.9, 30 + s, jaccard=0.01) for s in range(3)]}
+    summary: dict = {}
+    lines = selection_section(numbers, _pairs(), 8, summary)
+    text = "\n".join(lines)
+    kl, clip = summary["selection"]
+    gap = kl["contrasts"]["entropy_end"]["diff"]
+    ends = [[r["final_entropy"] for r in numbers[a]] for a in ("kl_cov_0.1", "kl_cov_random_0.1")]
+    assert gap["mean"] == pytest.approx(sum(ends[0]) / 3 - sum(ends[1]) / 3) and gap["excludes_zero"]
+    assert gap["ci95"] == pytest.approx(diff_ci(*ends)[1])  # Welch's interval, as everywhere in the report
+    assert not clip["contrasts"]["entropy_end"]["diff"]["excludes_zero"]
+    assert set(kl["contrasts"]) == {"entropy_end", "pass@8", "mean@8", "harder_pass@8", "harder_mean@8"}
+    assert kl["jaccard"]["mean"] == pytest.approx(0.06) and kl["tokens"]["arm"]["mean"] == pytest.approx(37 / 3)
+    assert "| kl_cov_0.1 | 0.1 | 16 | 12.3 ± " in text and "| 0.060 ± " in text and "| 0.053 |" in text  # chance
+    assert f"| +{gap['mean']:.3f} ± {gap['ci95']:.3f} * |" in text
+    paragraph = lines[-1]
+    assert paragraph.startswith("Of the 10 selection − random contrasts, 1 excludes 0: KL-Cov 0.1, 16 prompts/step: "
+                                f"entropy at the end (nats/token) +{gap['mean']:.3f} ± {gap['ci95']:.3f}.")
+    assert "The others include 0." in paragraph and "Jaccard index of 0.06 (KL-Cov 0.1" in paragraph
+    assert "| clip_cov_random | random | 0.60 | 0.800 | 0.40 |" in text  # what the tokens are
+    assert plot_selection(summary["selection"], tmp_path / "sel.png", summary["selection_labels"]).is_file()
+    # no contrast excludes 0 / one seed only: said so, not left out
+    same = dict(numbers, **{"kl_cov_0.1": [_sel_run(0.20, 0.9, 10 + s) for s in range(3)]})  # the control's runs
+    assert "none excludes 0" in selection_section(same, _pairs(), 8, {})[-1]
+    one = {a: runs[:1] for a, runs in numbers.items()}
+    assert "With one seed per arm there are no intervals" in selection_section(one, _pairs(), 8, {})[-1]
