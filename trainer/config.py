@@ -98,6 +98,12 @@ class RolloutConfig:
     # HF engine under ZeRO-3 (partitioned policy): node = one bf16 copy per node, on its first rank, which
     # samples for the whole node; rank = one copy on every rank (each samples its own prompts, in parallel).
     hf_copies: Literal["node", "rank"] = "node"
+    # How sampling is seeded. batch: one generator per rank (or per node copy) draws for its whole batch,
+    # so the samples depend on which rank samples which prompt; per_sample: each response from its own
+    # generator, seeded by (trainer.seed, step, global prompt index, sample index) (vLLM: the request's
+    # seed), the same samples on any number of hosts and ranks. The default becomes per_sample once the
+    # demo and studies are re-run under it (docs/trainer.md, "Seeding").
+    seeding: Literal["batch", "per_sample"] = "batch"
     # Weight sync policy -> rollout engine in buckets of this many MiB (any engine; 0 = per tensor).
     sync_bucket_mb: float = 64.0
     # vLLM only. colocated: a vLLM engine inside the training job sharing its GPUs (sleep/wake_up);
@@ -247,6 +253,10 @@ class TrainerConfig:
     # CPU runs: torch intra-op threads, pinned so that a seed gives the same numbers on machines with
     # different core counts (0: torch's default, which follows the machine and OMP_NUM_THREADS).
     threads: int = 1
+    # Multi-rank runs: seconds a collective waits for a peer before the run stops with one line naming the
+    # lost rank and the last intact checkpoint (0: DeepSpeed's default, 30 min). Longer than any step phase
+    # where ranks wait on each other (a node's first rank sampling for the node, a checkpoint write).
+    collective_timeout_s: float = 0.0
     # Modules imported before the config is checked: where a user registers a loss mode
     # (fastcov.losses.register), an advantage estimator or a reward task, then names it in YAML.
     imports: list[str] = field(default_factory=list)
@@ -475,6 +485,9 @@ def _validate_lora(m: ModelConfig, cfg: Config) -> None:
     _check(m.lora_rank == 0 or cfg.algo.kl_coef == 0, "model.lora_rank",
            "REINFORCE++'s KL reference is a copy of the starting model; with LoRA it is not supported yet "
            "(set algo.kl_coef=0)")
+    _check(m.lora_rank == 0 or cfg.rollout.engine != "vllm" or cfg.rollout.vllm_mode == "colocated",
+           "model.lora_rank", "LoRA syncs its adapters to a colocated vLLM or the HF engine; vLLM servers take full "
+           "weights (set rollout.vllm_mode=colocated or rollout.engine=hf)")
     _check(not cfg.trainer.offload_activations or m.gradient_checkpointing, "trainer.offload_activations",
            "offloads gradient checkpointing's saved activations: set model.gradient_checkpointing=true")
 
@@ -567,6 +580,8 @@ def _validate_optim_trainer(o: OptimConfig, t: TrainerConfig) -> None:
     _check(t.prompts_per_step >= 1, "trainer.prompts_per_step", "must be >= 1")
     _check(t.micro_token_budget >= 1, "trainer.micro_token_budget", "must be >= 1")
     _check(t.threads >= 0, "trainer.threads", f"must be >= 0 (0 = torch's default), got {t.threads}")
+    _check(t.collective_timeout_s >= 0, "trainer.collective_timeout_s",
+           f"must be >= 0 (0 = DeepSpeed's default), got {t.collective_timeout_s}")
     _check(t.zero_stage in (0, 1, 2, 3), "trainer.zero_stage", f"must be 0, 1, 2 or 3, got {t.zero_stage}")
     _check(not t.offload_optimizer or t.zero_stage >= 1, "trainer.offload_optimizer",
            "offloading the optimizer states needs trainer.zero_stage >= 1")

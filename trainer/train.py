@@ -44,6 +44,7 @@ from fastcov.trainer.data.loading import PromptSampler, load_train_val, prepare_
 from fastcov.trainer.evaluation import evaluate
 from fastcov.trainer.rewards import REWARD_TASKS, RewardFn  # noqa: F401 - RewardFn: the name tests patch
 from fastcov.trainer.rollout import SamplingParams, make_rollout_engine
+from fastcov.trainer.rollout.base import sample_seed
 from fastcov.trainer.runtime.batch import MicroBatch, Sequence, micro_batches, sequence_tensors
 from fastcov.trainer.runtime.checkpoint import (
     CheckpointError,
@@ -61,6 +62,7 @@ from fastcov.trainer.runtime.distributed import (
     all_sum,
     broadcast_text,
     init_distributed,
+    lost_peer,
     pick_device,
     world_size,
 )
@@ -358,6 +360,9 @@ def collect_rollouts(cfg: Config, step: int, sampler, train_set, rollout, reward
         batch_idx = sampler.next(t.prompts_per_step)  # same global order on every rank
         examples = [train_set[i] for i in batch_idx[rank * local : (rank + 1) * local]]
         prompts = [ex.prompt_ids for ex in examples for _ in range(r.n)]
+        if r.seeding == "per_sample":  # response j of global prompt g: its own seed, on any topology
+            first = (n_batches - 1) * t.prompts_per_step + rank * local
+            sampling.seeds = [sample_seed(t.seed, step, first + i // r.n, i % r.n) for i in range(len(prompts))]
         try:
             out = rollout.generate(prompts, sampling, generator)
         except Exception as exc:
@@ -518,6 +523,28 @@ class Run:
                 "lambda": self.lam_sched.state_dict() if self.lam_sched is not None else None, "world": self.world}
 
 
+class LostRankError(UserError):
+    """A collective failed because another rank went away (its host died, its process was killed) or did not
+    answer within ``trainer.collective_timeout_s``: the run stops, exit status 1, naming the lost rank and
+    the last intact checkpoint, from which every host resumes."""
+
+    exit_code = 1
+
+
+@contextlib.contextmanager
+def _lost_rank_exit(run: Run):
+    """A collective that fails for a lost peer becomes a ``LostRankError``; any other error stays what it was."""
+    try:
+        yield
+    except RuntimeError as exc:
+        who = lost_peer(exc, run.rank)
+        if who is None:
+            raise
+        last = latest_checkpoint(run.ckpt_root)
+        raise LostRankError(f"lost {who} (at step {run.step}); the last intact checkpoint is "
+                            f"{str(last) if last else 'none'}; start every host again with --resume") from None
+
+
 class RunIOError(UserError):
     """A run file that cannot be written mid-run (disk full, permissions): the run stops, exit status 1,
     with the path and the last intact checkpoint; nothing published is damaged."""
@@ -551,7 +578,7 @@ def _check_and_prepare(cfg: Config, resume, overwrite: bool, closing: contextlib
         raise _user_error(exc) from None
     if device.type == "cpu" and t.threads:
         torch.set_num_threads(t.threads)  # results must not depend on the machine's core count
-    rank, world = init_distributed(device)
+    rank, world = init_distributed(device, t.collective_timeout_s)
     if t.prompts_per_step % world:
         raise ConfigError(f"trainer.prompts_per_step: {t.prompts_per_step} is not divisible by the "
                           f"{world} data-parallel ranks; pick a multiple of {world}")
@@ -840,7 +867,7 @@ def _train(cfg: Config, resume, stop_at, on_end, closing: contextlib.ExitStack, 
     run.sync_weights()
     if run.step == 0 and t.eval_every and run.val_set:
         run.log_durably({"step": 0, **run.evaluate(0)})
-    with _StopFlag() as stop:
+    with _StopFlag() as stop, _lost_rank_exit(run):
         while run.step < t.max_steps:
             run.step += 1
             t_step = time.perf_counter()
@@ -862,8 +889,9 @@ def _train(cfg: Config, resume, stop_at, on_end, closing: contextlib.ExitStack, 
     if on_end is not None:
         on_end(run.engine, run.rollout)
     if run.step == t.max_steps:
-        with run.engine.gathered_model() as model:
-            if run.rank == 0:
-                export_final(model, run.tokenizer, run.run_dir)
-        dist.barrier()
+        with _lost_rank_exit(run):
+            with run.engine.gathered_model() as model:
+                if run.rank == 0:
+                    export_final(model, run.tokenizer, run.run_dir)
+            dist.barrier()
     return run.run_dir

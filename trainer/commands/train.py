@@ -34,13 +34,21 @@ def run(args: argparse.Namespace) -> int:
 
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
         return 0
-    from fastcov.trainer.train import RolloutError, train
+    from fastcov.trainer.train import LostRankError, RolloutError, train
 
     try:
         train(cfg, resume=args.resume, overwrite=args.overwrite)
     except RolloutError as exc:
         print(f"fastcov train: {exc}", file=sys.stderr)
         return 1
+    except LostRankError as exc:
+        import os
+
+        print(f"fastcov train: {exc}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        # out without the interpreter's teardown: with a peer gone, the process group's threads can abort it
+        # (SIGABRT, 'terminate called without an active exception') after the line is out
+        os._exit(exc.exit_code)
     except KeyboardInterrupt:
         print("fastcov train: aborted without saving (second Ctrl-C)", file=sys.stderr)
         return 130

@@ -17,6 +17,7 @@ vllm_factory.py); a builder takes ``(cfg, model, tokenizer, *, device, rank, wor
 from __future__ import annotations
 
 import abc
+import hashlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -31,6 +32,9 @@ class SamplingParams:
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
     max_new_tokens: int = 256
+    # rollout.seeding per_sample: one seed per prompt of the call (``sample_seed``), each response drawn
+    # from its own generator (vLLM: the request's seed); None: the call's generator draws for all of them
+    seeds: list[int] | None = None
 
 
 @dataclass
@@ -55,6 +59,13 @@ class RolloutEngine(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         pass
+
+
+def sample_seed(seed: int, step: int, prompt: int, sample: int) -> int:
+    """The seed of one response under ``rollout.seeding: per_sample``: a hash of (run seed, step, global
+    prompt index, sample index) to 63 bits, so the same response gets the same draws wherever it is sampled."""
+    digest = hashlib.blake2b(f"fastcov/{seed}/{step}/{prompt}/{sample}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
 def split_evenly(n: int, parts: int) -> list[slice]:

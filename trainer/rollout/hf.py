@@ -44,6 +44,14 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float,
     return tok, logp.gather(-1, tok[:, None])[:, 0]
 
 
+def sample_rows(logits: torch.Tensor, temperature: float, top_p: float,
+                generators: list[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sample_next`` with one generator per row: row i's token depends on its logits and ``generators[i]``
+    only, not on the other rows of the batch (``rollout.seeding: per_sample``)."""
+    picked = [sample_next(logits[i : i + 1], temperature, top_p, g) for i, g in enumerate(generators)]
+    return torch.cat([t for t, _ in picked]), torch.cat([lp for _, lp in picked])
+
+
 def token_budget_batches(lengths: Sequence[int], max_new_tokens: int, token_budget: int,
                          max_rows: int = 0) -> list[list[int]]:
     """Group prompt indices into generation batches, longest prompts first.
@@ -133,7 +141,8 @@ class HFRolloutEngine(RolloutEngine):
             batches = token_budget_batches([len(p) for p in prompts], sampling.max_new_tokens,
                                            self.token_budget, self.batch_size)
             for idx in batches:
-                part = self._generate_batch([prompts[i] for i in idx], sampling, generator)
+                seeds = None if sampling.seeds is None else [sampling.seeds[i] for i in idx]
+                part = self._generate_batch([prompts[i] for i in idx], sampling, generator, seeds)
                 for j, i in enumerate(idx):
                     out_ids[i], out_lp[i] = part.token_ids[j], part.logprobs[j]
         finally:
@@ -143,7 +152,7 @@ class HFRolloutEngine(RolloutEngine):
         self.last_stats = {"tokens": float(tokens), "seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9)}
         return RolloutBatch(out_ids, out_lp)
 
-    def _generate_batch(self, prompts, sampling: SamplingParams, generator):
+    def _generate_batch(self, prompts, sampling: SamplingParams, generator, seeds: list[int] | None = None):
         from transformers import DynamicCache
 
         dev = self.device
@@ -158,11 +167,16 @@ class HFRolloutEngine(RolloutEngine):
         cache = DynamicCache()
         rows = torch.arange(B, device=dev)  # the batch rows still generating
         steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        # per_sample seeding: one generator per row, following its row out of the batch
+        gens = None if seeds is None else [torch.Generator(device=dev).manual_seed(int(s)) for s in seeds]
         step_ids, pos = input_ids, (mask.cumsum(-1) - 1).clamp_min(0)
         for _ in range(sampling.max_new_tokens):
             out = self.model(input_ids=step_ids, attention_mask=mask, position_ids=pos,
                              use_cache=True, logits_to_keep=1, **{self._cache_arg: cache})
-            tok, lp = sample_next(out.logits[:, -1, :].float(), sampling.temperature, sampling.top_p, generator)
+            if gens is None:
+                tok, lp = sample_next(out.logits[:, -1, :].float(), sampling.temperature, sampling.top_p, generator)
+            else:
+                tok, lp = sample_rows(out.logits[:, -1, :].float(), sampling.temperature, sampling.top_p, gens)
             steps.append((rows, tok, lp))
             finished = torch.isin(tok, eos)
             n_finished = int(finished.sum())
@@ -172,6 +186,7 @@ class HFRolloutEngine(RolloutEngine):
                 keep = (~finished).nonzero()[:, 0]
                 cache.batch_select_indices(keep)
                 rows, tok, mask, pos = rows[keep], tok[keep], mask[keep], pos[keep]
+                gens = None if gens is None else [gens[k] for k in keep.tolist()]
             step_ids = tok[:, None]
             pos = pos[:, -1:] + 1
             mask = torch.cat([mask, torch.ones((rows.numel(), 1), dtype=mask.dtype, device=dev)], dim=1)

@@ -6,8 +6,7 @@ which samples for every rank of the node (``NodeRolloutEngine``).
 from __future__ import annotations
 
 import copy
-import os
-import socket
+import dataclasses
 from collections.abc import Iterable
 
 import torch
@@ -16,6 +15,7 @@ from torch import nn
 
 from fastcov.trainer.rollout.base import ROLLOUT_ENGINES, RolloutBatch, RolloutEngine, SamplingParams
 from fastcov.trainer.rollout.hf import HFRolloutEngine
+from fastcov.trainer.runtime.distributed import host_name
 from fastcov.trainer.runtime.lora import copy_adapter_layout, has_adapters
 from fastcov.trainer.runtime.precision import param_dtype
 from fastcov.trainer.runtime.weight_buckets import drain
@@ -26,7 +26,7 @@ def node_group(rank: int, world: int):
     ``FASTCOV_NODE`` environment variable where set). Every rank must call it: it creates one
     group per node, in the same order everywhere."""
     hosts: list = [None] * world
-    dist.all_gather_object(hosts, os.environ.get("FASTCOV_NODE") or socket.gethostname())
+    dist.all_gather_object(hosts, host_name())
     mine = None
     for host in dict.fromkeys(hosts):
         ranks = [r for r, h in enumerate(hosts) if h == host]
@@ -42,14 +42,17 @@ class NodeRolloutEngine(RolloutEngine):
 
     ``generate`` is a collective over the node's ranks: each rank passes its own prompts (possibly
     none), they are gathered to the node's first rank, sampled there in one call (one generator: the
-    first rank's) and each rank gets back the responses to its own prompts, with that call's
-    ``last_stats``. Every rank of a node must call ``generate`` the same number of times.
+    first rank's; with ``per_member``, one call per rank, each with its own per-sample seeds) and each
+    rank gets back the responses to its own prompts, with that call's ``last_stats``. Every rank of a
+    node must call ``generate`` the same number of times.
     ``update_weights``: every rank walks the iterable to its end (a ZeRO-3 producer gathers on all
     ranks), only the holder copies.
     """
 
-    def __init__(self, engine: HFRolloutEngine | None, group, ranks: list[int], device: torch.device):
+    def __init__(self, engine: HFRolloutEngine | None, group, ranks: list[int], device: torch.device,
+                 per_member: bool = False):
         self.engine = engine
+        self.per_member = per_member  # rollout.seeding per_sample: each rank's prompts in their own call
         self.group = group
         self.ranks = list(ranks)
         self.device = device
@@ -70,20 +73,40 @@ class NodeRolloutEngine(RolloutEngine):
                  generator: torch.Generator | None = None) -> RolloutBatch:
         leader = self.ranks[0]
         gathered: list | None = [None] * len(self.ranks) if self.engine is not None else None
-        dist.gather_object([list(map(int, p)) for p in prompts], gathered, dst=leader, group=self.group)
+        dist.gather_object(([list(map(int, p)) for p in prompts], sampling.seeds), gathered, dst=leader,
+                           group=self.group)
         pieces: list | None = None
         if self.engine is not None:
-            flat = [p for part in gathered for p in part]
-            out = self.engine.generate(flat, sampling, generator)
-            pieces, start = [], 0
-            for part in gathered:
-                end = start + len(part)
-                pieces.append((out.token_ids[start:end], out.logprobs[start:end], dict(self.engine.last_stats)))
-                start = end
+            parts = [(ps, dataclasses.replace(sampling, seeds=seeds)) for ps, seeds in gathered]
+            pieces = self._each(parts, generator) if self.per_member else self._joined(parts, sampling, generator)
         mine: list = [None]
         dist.scatter_object_list(mine, pieces, src=leader, group=self.group)
         token_ids, logprobs, self.last_stats = mine[0]
         return RolloutBatch(token_ids, logprobs)
+
+    def _each(self, parts: list, generator) -> list:
+        """Each rank's prompts in their own call (``rollout.seeding: per_sample``): the batches that rank
+        alone would have made, so its samples do not depend on how many ranks share the node."""
+        engine, pieces = self.engine, []
+        assert engine is not None
+        for prompts, sampling in parts:
+            out = engine.generate(prompts, sampling, generator)
+            pieces.append((out.token_ids, out.logprobs, dict(engine.last_stats)))
+        return pieces
+
+    def _joined(self, parts: list, sampling: SamplingParams, generator) -> list:
+        """The node's prompts in one call; each rank's slice of it back."""
+        engine = self.engine
+        assert engine is not None
+        flat = [p for prompts, _ in parts for p in prompts]
+        seeds = None if sampling.seeds is None else [x for _, sp in parts for x in sp.seeds]
+        out = engine.generate(flat, dataclasses.replace(sampling, seeds=seeds), generator)
+        pieces, start = [], 0
+        for prompts, _ in parts:
+            end = start + len(prompts)
+            pieces.append((out.token_ids[start:end], out.logprobs[start:end], dict(engine.last_stats)))
+            start = end
+        return pieces
 
 
 def rollout_copy(config, device: torch.device, dtype: torch.dtype) -> nn.Module:
@@ -122,4 +145,8 @@ def make_hf_engine(cfg, model: nn.Module, tokenizer, *, device: torch.device, ra
     if r.hf_copies == "rank" or world == 1:
         return own_copy()
     group, ranks = node_group(rank, world)
-    return NodeRolloutEngine(own_copy() if rank == ranks[0] else None, group, ranks, device)
+    if rank == ranks[0]:  # one line per node: which rank holds its copy, for which ranks
+        print(f"[fastcov] rollout: the HF copy of host {host_name()} is on rank {rank}, sampling for ranks "
+              f"{ranks}", flush=True)
+    return NodeRolloutEngine(own_copy() if rank == ranks[0] else None, group, ranks, device,
+                             per_member=r.seeding == "per_sample")

@@ -7,7 +7,9 @@ the library's one in-place all-reduce.
 
 from __future__ import annotations
 
+import datetime
 import os
+import re
 import socket
 
 import torch
@@ -32,8 +34,12 @@ def pick_device(choice: str) -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(device: torch.device) -> tuple[int, int]:
-    """Start torch.distributed through DeepSpeed (gloo on CPU, nccl on GPU). Returns (rank, world)."""
+def init_distributed(device: torch.device, timeout_s: float = 0.0) -> tuple[int, int]:
+    """Start torch.distributed through DeepSpeed (gloo on CPU, nccl on GPU). Returns (rank, world).
+
+    ``timeout_s``: how long a collective waits for a peer before it fails (0: DeepSpeed's default, 30
+    minutes). With more than one rank, every rank's host name and address go into ``PEERS`` (for
+    ``lost_peer``)."""
     if device.type == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     for k, v in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
@@ -42,11 +48,77 @@ def init_distributed(device: torch.device) -> tuple[int, int]:
     import deepspeed
 
     if not dist.is_initialized():
+        extra = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s > 0 else {}
         deepspeed.init_distributed(dist_backend="gloo" if device.type == "cpu" else "nccl",
-                                   verbose=False)
+                                   verbose=False, **extra)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    if dist.get_world_size() > 1:
+        table: list = [None] * dist.get_world_size()
+        dist.all_gather_object(table, (host_name(), _local_address()))
+        PEERS[:] = table
     return dist.get_rank(), dist.get_world_size()
+
+
+# (host name, address) of every rank, in rank order; filled by init_distributed when world > 1
+PEERS: list[tuple[str, str]] = []
+
+
+def host_name() -> str:
+    """This rank's node: ``FASTCOV_NODE`` where set, else the host name (what node groups follow)."""
+    return os.environ.get("FASTCOV_NODE") or socket.gethostname()
+
+
+def _local_address() -> str:
+    """The address this host reaches MASTER_ADDR from: a route look-up (connecting a UDP socket sends
+    nothing). '' when there is none."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])))
+            return str(s.getsockname()[0])
+    except (OSError, KeyError, ValueError):
+        return ""
+
+
+_PEER_ADDRESS = re.compile(r"\[([0-9A-Fa-f.:]+)\]:\d+")
+_COLLECTIVE_FAILURE = ("gloo/transport", "ProcessGroupGloo", "Connection closed by peer", "Connection reset by peer",
+                       "NCCL communicator was aborted", "Watchdog caught collective operation timeout")
+
+
+def lost_peer(exc: BaseException, rank: int) -> str | None:
+    """When ``exc`` (or what it was raised from) is a collective that failed because a peer went away
+    or stopped answering: which rank(s) and the failure in a few words, e.g. "rank 1 (host b,
+    10.231.0.2): connection closed by peer". None for any other error."""
+    failure = next((e for e in _chain(exc) if _is_collective_failure(e)), None)
+    if failure is None:
+        return None
+    text = str(failure).strip().splitlines()[0] if str(failure).strip() else type(failure).__name__
+    text = re.sub(r"^\[[^\]]*\] ?", "", text).split(". ")[0].rstrip(".")  # drop gloo's source position
+    address = _PEER_ADDRESS.search(text)
+    others = [r for r in range(len(PEERS)) if r != rank]
+    if address:
+        others = [r for r in others if PEERS[r][1] == address.group(1)] or others
+    if not others:
+        who = "a peer rank"
+    elif len(others) == 1:
+        who = f"rank {others[0]} (host {PEERS[others[0]][0]}, {PEERS[others[0]][1] or 'address unknown'})"
+    else:
+        who = "one of ranks " + ", ".join(str(r) for r in others)
+    return f"{who}: {text[:200]}"
+
+
+def _chain(exc: BaseException | None):
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+def _is_collective_failure(exc: BaseException) -> bool:
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    return isinstance(exc, RuntimeError) and any(k in str(exc) for k in _COLLECTIVE_FAILURE)
 
 
 def is_distributed() -> bool:
