@@ -145,10 +145,123 @@ def _fastcov_rows():
     return list(KERNELS)
 
 
-def _peer_rows():
-    from bench.compile_peers import peer_rows
+def _jit(obj):
+    """The JITFunction under autotune/heuristics wrappers."""
+    while not hasattr(obj, "arg_names") or hasattr(obj, "fn") and hasattr(obj.fn, "arg_names"):
+        obj = obj.fn
+    return obj
 
-    return peer_rows()
+
+def _peer_row(name, fn, types: dict, fixed: dict, ones=(), aligned=(), launches=()):
+    """A compile-table row for a peer's kernel: ``types`` maps its runtime arguments to Triton types
+    ("{dt}" the input dtype); every other argument is a constexpr from ``fixed`` or the launch."""
+    from fastcov.kernels.compile_table import KernelRow
+
+    jit = _jit(fn)
+    params = tuple((a, types.get(a, "constexpr")) for a in jit.arg_names)
+    return KernelRow(name=name, fn=jit, params=params, dtypes=("bfloat16",), switches=({},),
+                     launches=lambda dt, sw: list(launches), fixed=fixed, ones=tuple(ones), aligned=tuple(aligned))
+
+
+def _cce_launches(best, extra_min_tile=128 * 128):
+    """CCE's shipped config (CCE_AUTOTUNE unset) and, from its CCE_AUTOTUNE=1 list, the large tiles."""
+    from cut_cross_entropy.tl_autotune import get_autotune_config
+
+    from fastcov.kernels.compile_table import Launch
+
+    out = [Launch(dict(best.kwargs), best.num_warps, best.num_stages)]
+    for c in get_autotune_config():
+        kw = c.kwargs
+        if kw["BLOCK_B"] * kw["BLOCK_V"] >= extra_min_tile and c.num_warps <= 8:
+            launch = Launch(dict(kw), c.num_warps, c.num_stages)
+            if launch not in out:
+                out.append(launch)
+    return out
+
+
+def _baseline_rows(rev: str):
+    """The forward and dZ kernels of ``kernels/linear_logprob_entropy.py`` at git revision ``rev``, with
+    that revision's autotune configs, under the current table's signatures (before/after comparisons)."""
+    import dataclasses
+    import importlib.util
+
+    from fastcov.kernels.compile_table import Launch, by_name
+
+    src = subprocess.run(["git", "show", f"{rev}:kernels/linear_logprob_entropy.py"], cwd=REPO, check=True,
+                         capture_output=True, text=True).stdout
+    path = Path(tempfile.mkdtemp(prefix="fastcov-baseline-")) / f"lle_{rev}.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location(f"lle_{rev}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rows = []
+    for kernel, tuned in (("_forward_kernel", module._forward_tuned), ("_dz_kernel", module._dz_tuned)):
+        launches = [Launch(dict(c.kwargs), c.num_warps, c.num_stages) for c in tuned.configs]
+        rows.append(dataclasses.replace(by_name(f"linear_logprob_entropy.{kernel}"), fn=getattr(module, kernel),
+                                        name=f"{rev}:{kernel}", launches=lambda dt, sw, ls=launches: ls))
+    return rows
+
+
+def _peer_rows():
+    """Cut Cross-Entropy's forward (matmul + LSE) and backward, Liger's cross-entropy kernel; those
+    not installed are left out (pip install -e '.[bench]')."""
+    rows = []
+    try:
+        rows += _cce_rows()
+    except ImportError as exc:
+        print(f"cut-cross-entropy not importable ({exc}); left out", file=sys.stderr)
+    try:
+        rows += _liger_rows()
+    except ImportError as exc:
+        print(f"liger-kernel not importable ({exc}); left out", file=sys.stderr)
+    return rows
+
+
+def _cce_rows():
+    from cut_cross_entropy import cce_backward, cce_lse_forward, tl_autotune
+
+    dt, f32, i32 = "*{dt}", "*fp32", "*i32"
+    fwd = _peer_row(
+        "cce.cce_lse_forward._cce_lse_forward_kernel", cce_lse_forward._cce_lse_forward_kernel,
+        dict(E=dt, C=dt, LSE=f32, Locks=i32, B="i32", V="i32", D="i32", stride_eb="i32", stride_cv="i32",
+             num_locks="i32", B_BIN="i32"),
+        dict(LA=None, Valids=None, softcap=None, HAS_VALIDS=False, GROUP_B=8, EVEN_D=True, HAS_SOFTCAP=False,
+             HAS_LA=False, DOT_PRECISION="tf32"),
+        ones=("stride_ed", "stride_cd", "stride_lse_b", "stride_vb"), aligned=("D", "stride_eb", "stride_cv"),
+        launches=_cce_launches(tl_autotune._cce_forward_best_config()))
+    bwd_launches = _cce_launches(tl_autotune._cce_backward_best_config())
+    for launch in bwd_launches:
+        launch.meta["MM_BACK_BLOCK_D"] = 2 * launch.meta["BLOCK_D"]
+    bwd = _peer_row(
+        "cce.cce_backward._cce_backward_kernel", cce_backward._cce_backward_kernel,
+        dict(E=dt, C=dt, LSE=f32, dOut=f32, grad_scale="fp32", Targets="*i64", dE=dt, dELocks=i32, dC=dt,
+             dCLocks=i32, B="i32", D="i32", V="i32", n_de_locks_0="i32", n_de_locks_1="i32", n_dc_locks_0="i32",
+             n_dc_locks_1="i32", stride_eb="i32", stride_cv="i32", filter_eps="fp32", B_BIN="i32"),
+        dict(Valids=None, VocabOrdering=None, softcap=None, GROUP_B=8, EVEN_D=True, MM_BACK_EVEN_D=True,
+             ITEM_DO=False, HAS_VALIDS=False, HAS_VOCAB_ORDERING=False, FILTER_GRAD=True, HAS_TARGETS=True,
+             HAS_SOFTCAP=False, SHIFT=False, REQUIRES_GRAD=True),
+        ones=("stride_ed", "stride_cd", "stride_vb"), aligned=("D", "stride_eb", "stride_cv"),
+        launches=bwd_launches)
+    return [fwd, bwd]
+
+
+def _liger_rows():
+    from liger_kernel.ops import cross_entropy as lce
+
+    from fastcov.kernels.compile_table import Launch
+
+    # its launcher: BLOCK_SIZE = min(32768, next_pow2(V)); 32 warps on Hopper, 8 on Blackwell for bf16
+    launches = [Launch({"BLOCK_SIZE": 32768}, 32, 3), Launch({"BLOCK_SIZE": 32768}, 8, 3)]
+    return [_peer_row(
+        "liger.cross_entropy.liger_cross_entropy_kernel", lce.liger_cross_entropy_kernel,
+        dict(X_ptr="*{dt}", X_stride="i32", Y_ptr="*i64", loss_ptr="*fp32", token_accuracy_stride="i32",
+             predicted_tokens_stride="i32", n_cols="i32", n_non_ignore="i32", sum_non_ignore_weight="fp32",
+             weight_sum="fp32", ignore_index="i32"),
+        dict(weight_ptr=None, z_loss_ptr=None, token_accuracy_ptr=None, predicted_tokens_ptr=None, softcap=None,
+             lse_square_scale=0.0, label_smoothing=0.0, reduction="none", RETURN_Z_LOSS=False,
+             RETURN_TOKEN_ACCURACY=False, RETURN_PREDICTED_TOKENS=False, HAS_WEIGHT=False, HAS_SOFTCAPPING=False,
+             HAS_GRADIENTS=True),
+        ones=("Y_stride", "loss_stride"), aligned=("X_stride",), launches=launches)]
 
 
 def cases(rows, archs=ARCHS, dtypes=None, kernels=None, quick=False):
@@ -277,6 +390,22 @@ def _log(rec: dict) -> None:
               flush=True)
 
 
+def _ident(rec: dict) -> tuple:
+    return (rec["kernel"], rec["dtype"], json.dumps(rec["switch"], sort_keys=True), rec["config"], rec["arch"],
+            rec.get("maxnreg"))
+
+
+def _reusable(paths) -> dict:
+    """Records of earlier runs by case (ok ones only)."""
+    known = {}
+    for path in paths:
+        for line in Path(path).read_text().splitlines():
+            rec = json.loads(line)
+            if rec["status"] == "ok":
+                known[_ident(rec)] = rec
+    return known
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.compile", description=__doc__.split("\n\n")[0])
     p.add_argument("--archs", type=int, nargs="+", default=list(ARCHS), help="compute capabilities (80 90 100)")
@@ -284,6 +413,12 @@ def main(argv=None) -> int:
     p.add_argument("--dtypes", nargs="+", help="torch dtype names to keep")
     p.add_argument("--peers", action="store_true", help="also Cut Cross-Entropy's and Liger's Triton kernels")
     p.add_argument("--no-fastcov", action="store_true", help="only the peers")
+    p.add_argument("--baseline", metavar="REV", help="instead: the forward/dZ kernels and configs at a git revision")
+    p.add_argument("--switches", choices=["all", "none-and-all"], default="all",
+                   help="none-and-all: only every switch off and every switch on (bias excepted)")
+    p.add_argument("--reuse", nargs="+", metavar="JSONL", default=[],
+                   help="take a case's record from these files when they hold it (the last file wins) and compile "
+                        "only the rest: valid only while the kernels' sources are unchanged since those runs")
     p.add_argument("--quick", action="store_true", help="one config per kernel and dtype, switches all on")
     p.add_argument("--jobs", type=int, default=1, help="compile processes (the machine is shared: default 1)")
     p.add_argument("--name", default="fastcov", help="results file stem under --out")
@@ -295,15 +430,24 @@ def main(argv=None) -> int:
         return 2
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="fastcov-compile-")  # a first call, every time
     rows = ([] if args.no_fastcov else _fastcov_rows()) + (_peer_rows() if args.peers else [])
+    if args.baseline:
+        rows = _baseline_rows(args.baseline)
     case_list = cases(rows, args.archs, args.dtypes, args.kernels, args.quick)
+    if args.switches == "none-and-all":
+        case_list = [c for c in case_list if not c.switch.get("HAS_BIAS")
+                     and len({bool(v) for k, v in c.switch.items() if k not in ("HAS_BIAS", "TOPK_PAD")}) <= 1]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     jpath = out / f"{args.name}.jsonl"
     command = "python -m bench.compile " + " ".join(argv if argv is not None else sys.argv[1:])
     t0 = time.perf_counter()
     records = []
+    known = _reusable(args.reuse)
+    fresh = iter(run([c for c in case_list if _ident(c.key()) not in known], 1 if args.baseline else args.jobs,
+                     _log))
     with jpath.open("w") as f:
-        for rec in run(case_list, args.jobs, _log):
+        for case in case_list:
+            rec = known.get(_ident(case.key())) or next(fresh)
             records.append(rec)
             f.write(json.dumps(rec) + "\n")
             f.flush()

@@ -75,7 +75,10 @@ class KernelRow:
 def _space(space_of) -> Callable[[str, dict], list]:
     """Launches from a kernel module's config space function (the one its autotuner prunes with)."""
     def launches(dtype: str, switch: dict) -> list:
-        space = space_of(dtype, switch.get("TOPK", 0)) if "TOPK" in switch else space_of(dtype)
+        if "TOPK" in switch:
+            space = space_of(dtype, switch["TOPK"], switch["HAS_BIAS"], switch["COV"])
+        else:
+            space = space_of(dtype)
         return [Launch({"BLOCK_N": bn, "BLOCK_V": bv, "BLOCK_D": bd}, w, st, _lle.MAXNREG)
                 for bn, bv, bd, w, st in space]
     return launches

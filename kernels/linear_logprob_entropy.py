@@ -15,8 +15,10 @@ the workspace budget) the kernel recomputes the logits tile by tile, forms
 dz = g·(1[v=y] − p) − e·p·(log p + H), scales by 1/T and stores it in the input dtype into a
 [R, V] buffer; cuBLAS then computes dH[chunk] = dZ·W and dW += dZᵀ·H[chunk] in place.
 
-Offsets into hidden, W and the dZ buffer are int64 (N·V and V·D pass 2³¹ at 7B–32B). Autotuning is
-keyed on N rounded up to a power of two, so a new batch size does not re-tune.
+Each tile's base pointers into hidden, W and the dZ buffer are formed with int64 arithmetic (N·V and
+V·D pass 2³¹ at 7B–32B); offsets inside a tile are int32. Autotuning is keyed on N rounded up to a power
+of two, so a new batch size does not re-tune; the configs are pruned per dtype and switches to those that
+compile without register spills for sm_90a and sm_100a (``python -m bench.compile``, docs/kernels.md §7).
 
 Runs on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1 (then with small fixed tiles).
 """
@@ -237,7 +239,7 @@ _FWD_LARGE = ((128, 128, 32, 8, 4),)
 _FWD_MEDIUM = ((64, 128, 64, 8, 3), (64, 128, 32, 8, 4), (128, 64, 64, 8, 3), (128, 64, 32, 8, 4))
 # fp32 inputs take the exact (FMA, no tensor core) dot: only tiles small enough for its registers
 _FP32 = ((64, 64, 32, 8, 3), (64, 64, 32, 8, 4), (32, 64, 32, 4, 3), (32, 64, 32, 4, 4))
-_DZ = ((128, 256, 64, 8, 3), (128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4),
+_DZ = ((256, 128, 64, 8, 3), (128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4),
        (128, 128, 32, 8, 4))
 
 
@@ -251,12 +253,15 @@ def _as_configs(space):
                           maxnreg=MAXNREG) for bn, bv, bd, w, st in space]
 
 
-def forward_space(dtype: str, topk: int = 0) -> tuple:
-    """The forward's configs for an input dtype name and top-k: the 128×128 tiles spill with the top-k
-    insertion, so top-k calls get the 64×128/128×64 tiles."""
+def forward_space(dtype: str, topk: int = 0, bias: bool = False, cov: bool = False) -> tuple:
+    """The forward's configs for an input dtype name and switches. The 128×128 tile spills with the
+    top-k insertion (every arch) and, on sm_100a, with a bias but no covariance sums (8 B), so those
+    calls get the 64×128/128×64 tiles."""
     if dtype == "float32":
         return _FP32
-    return _FWD_MEDIUM if topk else _FWD_LARGE + _FWD_MEDIUM
+    if topk or (bias and not cov):
+        return _FWD_MEDIUM
+    return _FWD_LARGE + _FWD_MEDIUM
 
 
 def dz_space(dtype: str) -> tuple:
@@ -268,7 +273,8 @@ def _dtype_name(named_args) -> str:
 
 
 def _prune_forward(configs, named_args, **kwargs):
-    keep = set(forward_space(_dtype_name(named_args), kwargs.get("TOPK", 0)))
+    keep = set(forward_space(_dtype_name(named_args), kwargs.get("TOPK", 0), kwargs.get("HAS_BIAS", False),
+                             kwargs.get("COV", False)))
     return [c for c in configs if _key(c) in keep]
 
 
