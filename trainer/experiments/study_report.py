@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 # ---------------------------------------------------------------- Student's t, without scipy
 
@@ -421,17 +421,22 @@ def plot_harder(harder: dict[str, Any], path: Path) -> Path | None:
 METHOD_NAMES = {"kl_cov": "KL-Cov", "clip_cov": "Clip-Cov"}
 
 
+def _run_value(key: str, harder: bool = False) -> Callable[[dict[str, Any]], Any]:
+    """A run's ``key`` (from its end on the harder problems when ``harder``), or None where it has none."""
+    return lambda r: (r["harder"]["end"] if harder else r).get(key)
+
+
 def _selection_metrics(numbers: dict[str, list[dict[str, Any]]], pass_k: int) -> list[tuple[str, str, Any]]:
     """(key, label, value of a run) of what a selection contrast compares: the end entropy, pass@k and mean@k on
     the held-out prompts and, where every run has them, on the problems with one operation more."""
-    out = [("entropy_end", "entropy at the end (nats/token)", lambda r: r["final_entropy"]),
-           (f"pass@{pass_k}", f"pass@{pass_k}, held-out prompts", lambda r: r.get(f"pass@{pass_k}")),
-           (f"mean@{pass_k}", f"mean@{pass_k}, held-out prompts", lambda r: r.get(f"mean@{pass_k}"))]
+    out = [("entropy_end", "entropy at the end (nats/token)", _run_value("final_entropy")),
+           (f"pass@{pass_k}", f"pass@{pass_k}, held-out prompts", _run_value(f"pass@{pass_k}")),
+           (f"mean@{pass_k}", f"mean@{pass_k}, held-out prompts", _run_value(f"mean@{pass_k}"))]
     runs = [r for rs in numbers.values() for r in rs]
     if runs and all(r.get("harder") for r in runs):
         k = runs[0]["harder"]["k"]
-        for m in (f"pass@{k}", f"mean@{k}"):
-            out.append((f"harder_{m}", f"{m}, one operation more", lambda r, m=m: r["harder"]["end"].get(m)))
+        out += [(f"harder_{m}", f"{m}, one operation more", _run_value(m, harder=True))
+                for m in (f"pass@{k}", f"mean@{k}")]
     return out
 
 
