@@ -1,0 +1,114 @@
+"""fastcov train on two hosts (network + UTS namespaces, tests/multinode/conftest.py), torchrun on each.
+
+- a ZeRO-3 run finishes on both hosts, with one HF rollout copy per host on its first rank (the node groups
+  follow the real host names), and under ``rollout.seeding: per_sample`` it equals, bit for bit, the same
+  run on one host with two ranks: every metric but timings, and the final weights;
+- a host that dies mid-run: the other exits 1 within the collective timeout with one line naming the lost
+  rank and the last intact checkpoint, no traceback; ``--resume`` on both hosts then finishes the run.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from fastcov.trainer.runtime.checkpoint import latest_checkpoint
+
+RUN_TIMEOUT = 240  # seconds for a 4-step tiny run on a loaded 2-core machine (it takes ~30 s idle)
+COLLECTIVE_TIMEOUT = 60
+
+
+def run_args(run_dir: Path, *extra: str) -> list[str]:
+    return ["trainer.max_steps=4", "trainer.save_every=1", f"trainer.collective_timeout_s={COLLECTIVE_TIMEOUT}",
+            "rollout.seeding=per_sample", f"trainer.run_dir={run_dir}", *extra]
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip().endswith("}")]
+
+
+def comparable(row: dict) -> dict:
+    """A metrics row without what measures the machine (durations, throughput)."""
+    return {k: v for k, v in row.items() if not (k.startswith("time/") or "per_s" in k)}
+
+
+def weights(run_dir: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(run_dir / "final" / "model.safetensors"))
+
+
+def wait_ok(*launches) -> None:
+    for launch in launches:
+        rc = launch.wait(RUN_TIMEOUT)
+        assert rc == 0, f"host {launch.host.hostname} exited {rc}\n{launch.tail()}"
+
+
+def copy_line(launch) -> str:
+    lines = [ln for ln in launch.rank_log("stdout").splitlines() if ln.startswith("[fastcov] rollout: the HF copy")]
+    assert len(lines) == 1, f"{launch.host.hostname}: expected one rollout-copy line, got {lines}\n{launch.tail()}"
+    return lines[0]
+
+
+def test_two_hosts_train_and_match_one_host(two_hosts, tmp_path):
+    a, b = two_hosts.a, two_hosts.b
+    run2 = tmp_path / "two-hosts"
+    la, lb = two_hosts.launch_both(run_args(run2))
+    wait_ok(la, lb)
+    assert [r["step"] for r in metrics(run2)] == [0, 1, 2, 3, 4]
+    assert (run2 / "final" / "model.safetensors").exists()
+    # node groups from the real host names: one copy per host, on its first (only) rank
+    assert copy_line(la) == f"[fastcov] rollout: the HF copy of host {a.hostname} is on rank 0, sampling for ranks [0]"
+    assert copy_line(lb) == f"[fastcov] rollout: the HF copy of host {b.hostname} is on rank 1, sampling for ranks [1]"
+
+    run1 = tmp_path / "one-host"
+    l1 = two_hosts.launch(a, run_args(run1), nnodes=1, nproc=2, port=29501, tag="-2ranks")
+    wait_ok(l1)
+    assert f"the HF copy of host {a.hostname} is on rank 0, sampling for ranks [0, 1]" in l1.rank_log("stdout")
+    rows2, rows1 = metrics(run2), metrics(run1)
+    assert [comparable(r) for r in rows2] == [comparable(r) for r in rows1]
+    w2, w1 = weights(run2), weights(run1)
+    assert w2.keys() == w1.keys()
+    for name in w2:
+        assert w2[name].dtype == w1[name].dtype and bool((w2[name] == w1[name]).all()), name
+
+
+def test_lost_host_one_line_then_resume(two_hosts, tmp_path):
+    a, b = two_hosts.a, two_hosts.b
+    run = tmp_path / "run"
+    la, lb = two_hosts.launch_both(run_args(run))
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while not any(r.get("step") == 1 for r in metrics(run)):  # step 1 is logged: kill b during step 2
+        assert time.monotonic() < deadline, f"no step 1 within {RUN_TIMEOUT} s\n{la.tail()}\n{lb.tail()}"
+        assert la.proc.poll() is None and lb.proc.poll() is None, f"a host stopped early\n{la.tail()}\n{lb.tail()}"
+        time.sleep(0.05)
+    two_hosts.kill_host(b)
+    t0 = time.monotonic()
+    rc = la.wait(COLLECTIVE_TIMEOUT + 60)
+    took = time.monotonic() - t0
+    assert rc == 1, f"host a exited {rc}\n{la.tail()}"
+    assert took < COLLECTIVE_TIMEOUT + 30, f"host a took {took:.0f} s to stop"
+    err = la.rank_log("stderr")
+    assert "Traceback" not in err, err[-3000:]
+    lines = [ln for ln in err.splitlines() if ln.startswith("fastcov train:")]
+    assert len(lines) == 1, err[-3000:]
+    line = lines[0]
+    assert f"lost rank 1 (host {b.hostname}, {b.address})" in line, line
+    m = re.search(r"the last intact checkpoint is (\S+);", line)
+    assert m, line
+    named = Path(m.group(1))
+    assert named == latest_checkpoint(run / "checkpoints") and named.is_dir(), line
+    assert err.rstrip().endswith(line), "the one line is the last thing host a's rank says"
+
+    la, lb = two_hosts.launch_both([*run_args(run), "--resume"], port=29502)
+    wait_ok(la, lb)
+    assert f"[fastcov] resumed from {named} at step" in la.rank_log("stdout")
+    assert [r["step"] for r in metrics(run)] == [0, 1, 2, 3, 4]  # one row per step, none lost or doubled
+    assert (run / "final" / "model.safetensors").exists()
