@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo study study-selection lint test test-fast test-verl test-vllm test-vllm-api bench compile-report clean
+.PHONY: demo study study-selection lint test test-fast test-multinode test-verl test-vllm test-vllm-api bench compile-report clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,11 @@ lint: $(STAMP)
 # The development loop: everything but the tests marked slow (multi-process and end-to-end runs).
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -ra -m "not slow"
+
+# Two hosts on this machine: network + UTS namespaces joined by a veth pair, torchrun on each
+# (tests/multinode). Needs root, as CI has; removes what it makes. ~2-3 min on 2 idle cores.
+test-multinode: $(STAMP)
+	FASTCOV_MULTINODE=1 DS_ACCELERATOR=cpu $(PY) -m pytest -q -ra -p no:cacheprovider tests/multinode
 
 # Optional integration group: verl 0.9.1 pins transformers < 5.11, so it gets its own environment.
 VERL_VENV  := .venv-verl
