@@ -567,8 +567,9 @@ def plot_selection(entries: Sequence[dict[str, Any]], path: Path, labels: dict[s
     fig, axes = plt.subplots(2, 3, figsize=(13, 7))
     labels = labels or {}
     panels = [(k, f"{labels.get(k, k)}: selection − random") for k in keys] + [
-        ("jaccard", "Jaccard index, random vs c_t's pick (dotted: chance)")]
+        ("jaccard", "Jaccard index, random vs c_t's pick (dotted: chance, KL-Cov)")]
     ratios = sorted({e["ratio"] for e in entries})
+    kl_ratios = sorted({e["ratio"] for e in entries if e["method"] == "kl_cov"})  # chance f / (2 − f) needs f = ratio
     for ax, (key, title) in zip(axes.flat, panels):
         for i, (name, group) in enumerate(series.items()):
             group = sorted(group, key=lambda e: e["ratio"])
@@ -580,9 +581,11 @@ def plot_selection(entries: Sequence[dict[str, Any]], path: Path, labels: dict[s
                             capsize=3, label=name)
         if key != "jaccard":
             ax.axhline(0.0, color="grey", lw=0.8)
-        else:
-            ax.plot(ratios, [f / (2 - f) for f in ratios], ":", color="grey")
+        elif kl_ratios:
+            ax.plot(kl_ratios, [f / (2 - f) for f in kl_ratios], ":", color="grey")
         ax.set_xscale("log")
+        ax.set_xticks(ratios, [f"{r:g}" for r in ratios])
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_xlabel("ratio")
         ax.set_title(title, fontsize=9)
     for ax in list(axes.flat)[len(panels):]:
