@@ -201,3 +201,24 @@ def test_cublas_floor_chain_does_the_four_gemms():
     finally:
         K.FLOOR_CHUNK_BYTES = old
     torch.testing.assert_close(chain["dw"], (h @ w.T).T @ h, atol=1e-4, rtol=1e-4)
+
+
+def test_cce_torch_compile_is_a_cpu_peer_beside_the_logprob_only_twin():
+    """Cut Cross-Entropy's torch_compile path runs on CPU, so it is not a CUDA-only peer; the twin asked for
+    the same (log-probs only) returns no entropy, so the harness differentiates the same loss for both."""
+    import importlib.util
+
+    cce = IMPLS["cce-torch-compile"]
+    assert not cce.needs_cuda and cce.compiles and not cce.entropy
+    reason = cce.probe(torch.device("cpu"))
+    assert (reason is None) == (importlib.util.find_spec("cut_cross_entropy") is not None)
+    assert "cce-torch-compile" in K.PRESETS["cpu-cce"]["impls"]
+    twin = IMPLS["fastcov-torch-logprob"]
+    assert not twin.needs_cuda and not twin.entropy
+    fn = twin.load(torch.device("cpu"))
+    hidden, weight = torch.randn(6, 8), torch.randn(19, 8)
+    labels = torch.randint(0, 19, (6,))
+    logprob, entropy = fn(hidden, weight, labels, 0.8)
+    assert entropy is None
+    ref, _ = naive(hidden.double(), weight.double(), labels, 0.8)
+    torch.testing.assert_close(logprob.double(), ref, atol=1e-5, rtol=1e-5)

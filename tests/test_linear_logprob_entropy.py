@@ -520,3 +520,34 @@ def test_triton_bf16_on_gpu_is_no_less_exact_than_naive(monkeypatch, workspace_m
     naive = _naive_errors(hidden, weight, labels, temperature, g, e, ref)
     for key in fused:
         assert fused[key] <= naive[key], (key, fused, naive)
+
+
+def test_twin_logprob_only_backward_skips_the_entropy_term_and_stays_exact():
+    """Only log-probs need a gradient (e = 0): the twin's backward takes the short path, which must not
+    read the entropy (poisoned with NaN here) and must match float64 at odd shapes and T != 1."""
+    from fastcov.kernels._stats import dz_from_upstream
+
+    gen = torch.Generator().manual_seed(3)
+    z = torch.randn(5, 37, generator=gen, dtype=torch.float64).float()
+    lse = torch.logsumexp(z.double(), 1).float()
+    labels = torch.tensor([0, 36, 40, -3, 17])  # two rows whose label is outside this tile
+    g = torch.randn(5, generator=gen)
+    zero = torch.zeros(5)
+    full = dz_from_upstream(z.clone(), lse, torch.rand(5), labels, g, zero, with_entropy=True)
+    short = dz_from_upstream(z.clone(), lse, torch.full((5,), float("nan")), labels, g, zero, with_entropy=False)
+    assert torch.isfinite(short).all()
+    torch.testing.assert_close(short, full, atol=1e-6, rtol=1e-6)
+
+    n, d, v, temperature = 13, 7, 131, 0.7
+    hidden = torch.randn(n, d, generator=gen, dtype=torch.float64)
+    weight = torch.randn(v, d, generator=gen, dtype=torch.float64)
+    labels = torch.randint(0, v, (n,), generator=gen)
+    leaves = [t.float().requires_grad_() for t in (hidden, weight)]
+    out = linear_logprob_entropy(leaves[0], leaves[1], labels, temperature=temperature, impl="torch",
+                                 workspace_mb=0.004)  # several row chunks and column slabs
+    grads = torch.autograd.grad(out.logprob.sum(), leaves)
+    ref_leaves = [t.clone().requires_grad_() for t in (hidden, weight)]
+    ref = reference_logprob_entropy(ref_leaves[0], ref_leaves[1], labels, None, temperature, -100)
+    ref_grads = torch.autograd.grad(ref["logprob"].sum(), ref_leaves)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-4)
