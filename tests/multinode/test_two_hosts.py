@@ -14,8 +14,6 @@ import re
 import time
 from pathlib import Path
 
-import pytest
-
 from fastcov.trainer.runtime.checkpoint import latest_checkpoint
 
 RUN_TIMEOUT = 240  # seconds for a 4-step tiny run on a loaded 2-core machine (it takes ~30 s idle)
@@ -81,7 +79,7 @@ def test_two_hosts_train_and_match_one_host(two_hosts, tmp_path):
 
 
 def test_lost_host_one_line_then_resume(two_hosts, tmp_path):
-    a, b = two_hosts.a, two_hosts.b
+    b = two_hosts.b
     run = tmp_path / "run"
     la, lb = two_hosts.launch_both(run_args(run))
     deadline = time.monotonic() + RUN_TIMEOUT
