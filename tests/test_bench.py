@@ -221,4 +221,4 @@ def test_cce_torch_compile_is_a_cpu_peer_beside_the_logprob_only_twin():
     logprob, entropy = fn(hidden, weight, labels, 0.8)
     assert entropy is None
     ref, _ = naive(hidden.double(), weight.double(), labels, 0.8)
-    torch.testing.assert_close(logprob.double(), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logprob.double(), ref.double(), atol=1e-5, rtol=1e-5)
