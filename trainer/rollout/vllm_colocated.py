@@ -163,7 +163,8 @@ class VLLMColocatedEngine(RolloutEngine):
     def generate(self, prompts: list[list[int]], sampling: SamplingParams,
                  generator: torch.Generator | None = None) -> RolloutBatch:
         n = len(prompts)
-        seeds = ([None] * n if generator is None else
+        seeds = (list(sampling.seeds) if sampling.seeds is not None  # rollout.seeding per_sample
+                 else [None] * n if generator is None else
                  torch.randint(0, 2**31 - 1, (n,), generator=generator, device=generator.device).tolist())
         reqs = [(list(map(int, p)), s) for p, s in zip(prompts, seeds)]
         counts, me = [n], 0

@@ -232,7 +232,8 @@ class VLLMServerEngine(RolloutEngine):
     def generate(self, prompts: list[list[int]], sampling: SamplingParams,
                  generator: torch.Generator | None = None) -> RolloutBatch:
         """Prompts split evenly over the servers, one request each; ``generator`` is not used (a
-        request-level seed would give the n copies of a prompt the same response)."""
+        request-level seed would give the n copies of a prompt the same response). With per-sample seeds
+        (``rollout.seeding: per_sample``) each prompt is a request of its own, with its seed."""
         if not prompts:
             return RolloutBatch([], [])
         model = self.served_model()
@@ -240,8 +241,13 @@ class VLLMServerEngine(RolloutEngine):
         for url, sl in zip(self.urls, split_evenly(len(prompts), len(self.urls))):
             part = [list(map(int, p)) for p in prompts[sl]]
             if part:
-                payload = completion_payload(model, part, sampling, self.eos)
-                jobs.append((len(part), self._pool.submit(self.post, url + "/v1/completions", payload)))
+                if sampling.seeds is None:
+                    payload = completion_payload(model, part, sampling, self.eos)
+                    jobs.append((len(part), self._pool.submit(self.post, url + "/v1/completions", payload)))
+                    continue
+                for p, seed in zip(part, sampling.seeds[sl]):  # per_sample: one request per response, its seed
+                    payload = {**completion_payload(model, [p], sampling, self.eos), "seed": seed}
+                    jobs.append((1, self._pool.submit(self.post, url + "/v1/completions", payload)))
         ids, lps = [], []
         for n, fut in jobs:
             b = completion_to_batch(fut.result(), n, self.eos)
