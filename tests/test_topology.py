@@ -126,3 +126,27 @@ def test_per_sample_runs_do_not_depend_on_the_topology(tmp_path):
         for k in ("loss", "entropy", "reward_mean", "response_len"):
             if k in a:
                 assert math.isclose(a[k], b[k], rel_tol=1e-4, abs_tol=1e-6), (a["step"], k, a[k], b[k])
+
+
+def test_vllm_server_sends_each_per_sample_seed_with_its_prompt():
+    from fastcov.trainer.rollout.base import SamplingParams
+    from fastcov.trainer.rollout.vllm_server import VLLMServerEngine
+
+    calls = []
+
+    def post(url, payload):
+        if url.endswith("/v1/models"):
+            return {"data": [{"id": "policy"}]}
+        calls.append((url, payload))
+        choices = [{"index": i, "logprobs": {"tokens": [f"token_id:{p[0] + 100}", "token_id:2"],
+                                             "token_logprobs": [-1.0, -0.5]}} for i, p in enumerate(payload["prompt"])]
+        return {"choices": choices}
+
+    eng = VLLMServerEngine(["http://a:1", "http://b:2"], [2], tp=1, device=torch.device("cpu"), rank=1, post=post)
+    out = eng.generate([[i, 7] for i in range(3)], SamplingParams(1.0, 1.0, 8, seeds=[11, 12, 13]))
+    eng.close()
+    assert out.token_ids == [[i + 100, 2] for i in range(3)]
+    sent = sorted((p["prompt"][0][0], p["seed"], u) for u, p in calls)
+    assert sent == [(0, 11, "http://a:1/v1/completions"), (1, 12, "http://a:1/v1/completions"),
+                    (2, 13, "http://b:2/v1/completions")]
+    assert all(len(p["prompt"]) == 1 for _, p in calls)
