@@ -647,7 +647,7 @@ def test_make_vllm_engine_builds_the_colocated_engine(monkeypatch, tmp_path, zer
     backend = registry["fastcov_local"]
     rv.register_local_backend()  # a second registration in the same process is fine
     loaded = []
-    target = NS(load_weights=lambda weights: loaded.extend(n for n, _ in weights))
+    target = NS(load_weights=lambda weights: loaded.extend(n for n, _ in weights), modules=lambda: iter(()))
     worker_side = backend("config", "vllm_config", torch.device("cpu"), target)
     worker_side.init_transfer_engine(rv.LocalInitInfo())
     worker_side.start_weight_update()
@@ -723,3 +723,22 @@ def test_gloo_transfer_round_trip_without_vllm():
         assert have.dtype == torch.bfloat16 and torch.equal(have, want.to(torch.bfloat16))
     with pytest.raises(ValueError, match="fastcov_gloo: broadcast needs a host tensor"):
         GlooCommunicator.broadcast(NS(), torch.empty(1, device="meta"))
+
+
+def test_tied_layers_are_processed_again_after_a_reload():
+    """vLLM's layerwise reload processes only layers that received a tensor; a tied LM head gets none (the
+    checkpoint has no lm_head.weight), so its processed form (CPU: a prepacked GEMM) must be rebuilt."""
+    from fastcov.trainer.rollout.vllm_plugin import reprocess_tied_layers
+
+    calls = []
+    method = NS(process_weights_after_loading=lambda layer: calls.append(layer.tag))
+
+    def layer(tag, weight):
+        m = torch.nn.Module()
+        m.weight, m.quant_method, m.tag = weight, method, tag
+        return m
+
+    shared = torch.nn.Parameter(torch.zeros(4, 2))
+    model = torch.nn.ModuleList([layer("embed", shared), layer("head", shared),
+                                 layer("other", torch.nn.Parameter(torch.zeros(2, 2)))])
+    assert reprocess_tied_layers(model) == 2 and calls == ["embed", "head"]
