@@ -37,6 +37,7 @@ Each arm trains with ``--overwrite`` semantics (an earlier run is moved aside, n
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -249,19 +250,39 @@ def _seconds_of(run_dir: Path) -> float:
     return sum(r.get("time/step", 0.0) for r in read_rows(run_dir / "metrics.jsonl"))
 
 
-def _selection_pairs(study: dict, arms, seeds, cfgs: dict) -> list[dict]:
+def _selection_pairs(study: dict, arms, seeds, cfgs: dict, run_dirs: dict | None = None) -> list[dict]:
     """The study's ``selection_contrasts`` among the arms run, each with what its arm's config says: the method
-    (algo.mode), its ratio (clip_cov_ratio or kl_cov_ratio), prompts per step and the control's cov_score."""
+    (algo.mode), its ratio (clip_cov_ratio or kl_cov_ratio), prompts per step and the control's cov_score. The
+    config is the one the first seed's run recorded (``<run>/config.yaml``, so ``--report-only`` reports what
+    was trained, whatever its own overrides), else the study's."""
+    def settings(arm: str) -> dict:
+        cfg = cfgs[(arm, seeds[0])]
+        algo, trainer = dataclasses.asdict(cfg.algo), dataclasses.asdict(cfg.trainer)
+        recorded = _recorded_config(run_dirs[(arm, seeds[0])]) if run_dirs else {}
+        return {**algo, **(recorded.get("algo") or {}),
+                "prompts_per_step": (recorded.get("trainer") or trainer).get("prompts_per_step")}
+
     pairs = []
     for entry in study.get("selection_contrasts") or []:
         arm, control = _contrast(entry)
         if arm not in arms or control not in arms:
             continue
-        a, t = cfgs[(arm, seeds[0])].algo, cfgs[(arm, seeds[0])].trainer
-        ratio = a.clip_cov_ratio if a.mode == "clip_cov" else a.kl_cov_ratio
-        pairs.append({"arm": arm, "control": control, "method": a.mode, "ratio": ratio,
-                      "prompts": t.prompts_per_step, "control_score": cfgs[(control, seeds[0])].algo.cov_score})
+        a = settings(arm)
+        ratio = a["clip_cov_ratio"] if a["mode"] == "clip_cov" else a["kl_cov_ratio"]
+        pairs.append({"arm": arm, "control": control, "method": a["mode"], "ratio": ratio,
+                      "prompts": a["prompts_per_step"], "control_score": settings(control)["cov_score"]})
     return pairs
+
+
+def _recorded_config(run_dir: Path) -> dict:
+    """A run's recorded config (``<run>/config.yaml``) as a plain mapping; {} when it has none."""
+    import yaml
+
+    try:
+        data = yaml.safe_load((Path(run_dir) / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def _seed_report(study, args, out: Path, base: str, arms, seeds, run_dirs, timings, total, cfgs) -> int:
@@ -291,7 +312,7 @@ def _seed_report(study, args, out: Path, base: str, arms, seeds, run_dirs, timin
     if study.get("notes"):
         head += [str(study["notes"]).strip(), ""]
     bars = plot_harder(summary["harder"], out / "harder.png") if "harder" in summary else None
-    pairs = _selection_pairs(study, arms, seeds, cfgs)
+    pairs = _selection_pairs(study, arms, seeds, cfgs, run_dirs)
     if pairs:
         lines += selection_section(numbers, pairs, pass_k, summary)
         sel_plot = plot_selection(summary["selection"], out / "selection.png", summary["selection_labels"])
