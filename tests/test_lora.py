@@ -61,6 +61,11 @@ def test_four_bit_refuses_zero3_and_lora_refuses_prime(tmp_path):
         tiny(tmp_path, "z3", *LORA, "model.quantization=4bit", "trainer.zero_stage=3")
     with pytest.raises(ConfigError, match=r"^model.lora_rank: PRIME"):
         tiny(tmp_path, "prime", *LORA, "algo.adv_estimator=prime")
+    with pytest.raises(ConfigError, match=r"^model.lora_rank: LoRA syncs its adapters to a colocated vLLM"):
+        tiny(tmp_path, "server", *LORA, "rollout.engine=vllm", "rollout.vllm_mode=server",
+             "rollout.vllm_server_urls=[http://h:1]")
+    with pytest.raises(ConfigError, match=r"^model.lora_rank: REINFORCE\+\+'s KL reference"):
+        tiny(tmp_path, "kl", *LORA, "algo.adv_estimator=reinforce_pp", "algo.kl_coef=0.1")
 
 
 def test_unknown_target_module_is_a_config_error(tmp_path):
@@ -240,8 +245,9 @@ def test_offloaded_activations_give_the_same_gradients():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 2])
-def test_lora_under_zero_1_and_2_trains_only_adapters(tmp_path, monkeypatch, stage):
-    run, seen, changed = _train_and_compare(tmp_path, monkeypatch, "run", f"trainer.zero_stage={stage}")
+def test_lora_under_zero_1_and_2_with_checkpointing_trains_only_adapters(tmp_path, monkeypatch, stage):
+    run, seen, changed = _train_and_compare(tmp_path, monkeypatch, "run", f"trainer.zero_stage={stage}",
+                                            "model.gradient_checkpointing=true")
     assert changed and changed <= seen["trainable"] and all(".lora_" in n for n in changed)
     assert read_metrics(run / "metrics.jsonl")[-1]["grad_norm"] > 0
 

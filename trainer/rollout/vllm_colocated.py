@@ -21,6 +21,7 @@ current weights first).
 
 from __future__ import annotations
 
+import importlib
 import time
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
@@ -118,7 +119,7 @@ class VLLMColocatedEngine(RolloutEngine):
     def __init__(self, llm, vllm_module, eos_token_ids: list[int], device: torch.device, tp: int = 1,
                  group=None, dtype: torch.dtype = torch.bfloat16, bucket_bytes: int = 64 << 20,
                  refresh: Callable[[], Iterable] | None = None, sleep: bool = True,
-                 skip: Collection[str] = ()):
+                 skip: Collection[str] = (), lora=None):
         self.llm = llm
         self.vllm = vllm_module
         self.eos = list(eos_token_ids)
@@ -130,6 +131,9 @@ class VLLMColocatedEngine(RolloutEngine):
         self.refresh = refresh
         self.sleep_level = 0 if not sleep else 2 if refresh is not None else 1
         self.skip = frozenset(skip)
+        # LoRA (runtime.lora.AdapterSync): base weights by load_weights, the adapters as a LoRARequest
+        self.lora = lora
+        self.lora_request = None
         self.asleep: set[str] = set()
         self.weights_valid = False  # dummy weights until the first update
         self._transfer_ready = False
@@ -184,7 +188,8 @@ class VLLMColocatedEngine(RolloutEngine):
         t0 = time.perf_counter()
         try:
             params = [self.vllm.SamplingParams(**sampling_kwargs(sampling, self.eos, s)) for _, s in reqs]
-            outs = self.llm.generate([{"prompt_token_ids": p} for p, _ in reqs], params, use_tqdm=False)
+            outs = self.llm.generate([{"prompt_token_ids": p} for p, _ in reqs], params, use_tqdm=False,
+                                     **({"lora_request": self.lora_request} if self.lora_request else {}))
         finally:
             self.stats["generate_s"] = time.perf_counter() - t0
             self._sleep()
@@ -201,13 +206,25 @@ class VLLMColocatedEngine(RolloutEngine):
         if not self._transfer_ready:
             self.llm.init_weight_transfer_engine({"init_info": {}})
             self._transfer_ready = True
-        self.llm.start_weight_update()
-        nbytes = 0
+        if self.lora is not None:  # adapters set aside, base names plain (after the first sync: no base)
+            named_tensors = self.lora.base_weights(named_tensors)
+        else:
+            self.llm.start_weight_update()
+        nbytes, started = 0, self.lora is None
         for chunk in iter_chunks(named_tensors, self.dtype, self.buffer_bytes, device=self._device,
                                  skip=self.skip):
+            if not started:
+                self.llm.start_weight_update()
+                started = True
             self.llm.update_weights({"update_info": {"weights": chunk.views()}})
             nbytes += chunk.flat.numel()
-        self.llm.finish_weight_update()
+        if started:
+            self.llm.finish_weight_update()
+        written = self.lora.write() if self.lora is not None else None
+        if written is not None:  # one adapter directory per sync, a new id so vLLM loads it afresh
+            request_cls = importlib.import_module("vllm.lora.request").LoRARequest
+            self.lora_request = request_cls(f"policy-{self.lora.version}", self.lora.version, str(written[0]))
+            nbytes += written[1]
         self.llm.reset_prefix_cache()
         self.weights_valid = True
         self.stats.update(sync_s=time.perf_counter() - t0, sync_bytes=float(nbytes))

@@ -22,6 +22,7 @@ from fastcov.trainer.rollout.vllm_api import LOCAL_BACKEND, LOGPROBS_MODE, VLLMA
 from fastcov.trainer.rollout.vllm_colocated import VLLMColocatedEngine, register_local_backend
 from fastcov.trainer.rollout.vllm_server import VLLMServerEngine, transfer_backend
 from fastcov.trainer.rollout.vllm_wire import derived_buffer_names, dtype_name
+from fastcov.trainer.runtime.lora import AdapterSync, has_adapters, smallest_rank_at_least
 from fastcov.trainer.runtime.weight_buckets import bucket_bytes_from_mb, iter_buckets
 
 CPU_KV_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE when unset: vLLM's CPU default counts the trainer's own memory
@@ -36,11 +37,13 @@ def rollout_dtype(cfg) -> torch.dtype:
     return torch.float32 if cfg.model.dtype == "fp32" else torch.bfloat16
 
 
-def colocated_llm_kwargs(cfg, model_dir: str, sleep: bool = True) -> dict:
-    """``vllm.LLM(**kwargs)`` of the colocated engine (every key checked against vLLM's source)."""
+def colocated_llm_kwargs(cfg, model_dir: str, sleep: bool = True, lora_rank: int = 0) -> dict:
+    """``vllm.LLM(**kwargs)`` of the colocated engine (every key checked against vLLM's source); with
+    ``lora_rank`` > 0, one LoRA adapter slot of at least that rank."""
     r = cfg.rollout
     max_new = max(r.max_new_tokens, cfg.trainer.eval_max_new_tokens or 0)
-    return dict(model=str(model_dir), skip_tokenizer_init=True, load_format="dummy",
+    lora = dict(enable_lora=True, max_lora_rank=smallest_rank_at_least(lora_rank), max_loras=1) if lora_rank else {}
+    return dict(model=str(model_dir), skip_tokenizer_init=True, load_format="dummy", **lora,
                 dtype=dtype_name(rollout_dtype(cfg)), tensor_parallel_size=r.vllm_tensor_parallel_size,
                 distributed_executor_backend="external_launcher",
                 gpu_memory_utilization=r.vllm_gpu_memory_utilization, enable_sleep_mode=sleep,
@@ -96,7 +99,8 @@ def make_colocated(cfg, model, eos: list[int], device: torch.device, rank: int, 
     model_dir = write_model_dir(cfg, model, rank)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine (and worker) in this process
     register_local_backend()
-    llm = vllm.LLM(**colocated_llm_kwargs(cfg, str(model_dir), sleep=sleep))
+    lora = AdapterSync(model, model_dir / "lora") if has_adapters(model) else None
+    llm = vllm.LLM(**colocated_llm_kwargs(cfg, str(model_dir), sleep=sleep, lora_rank=lora.rank if lora else 0))
     bucket_bytes = bucket_bytes_from_mb(r.sync_bucket_mb)
     refresh = None
     if cfg.trainer.zero_stage < 3 and sleep:  # the policy's full parameters are readable on this rank alone
@@ -107,7 +111,7 @@ def make_colocated(cfg, model, eos: list[int], device: torch.device, rank: int, 
 
     return VLLMColocatedEngine(llm, vllm, eos, device, tp=t, group=group, dtype=rollout_dtype(cfg),
                                bucket_bytes=bucket_bytes, refresh=refresh, sleep=sleep,
-                               skip=derived_buffer_names(model))
+                               skip=derived_buffer_names(model), lora=lora)
 
 
 @ROLLOUT_ENGINES.register("vllm")

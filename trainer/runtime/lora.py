@@ -180,3 +180,71 @@ def count_parameters(model: nn.Module) -> tuple[int, int]:
         total += n
         trainable += n if p.requires_grad else 0
     return trainable, total
+
+
+# ---------------------------------------------------------------------------------------------------- vLLM
+
+
+def peft_name(name: str) -> str:
+    """A policy parameter's name as peft saves it: ``model.layers.0.self_attn.q_proj.lora_A.default.weight``
+    -> ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``."""
+    return "base_model.model." + name.replace(f".{ADAPTER}.", ".")
+
+
+def smallest_rank_at_least(rank: int, allowed=(1, 8, 16, 32, 64, 128, 256, 320, 512)) -> int:
+    """vLLM's ``max_lora_rank`` takes one of a fixed set of values: the smallest one >= ``rank``."""
+    for r in allowed:
+        if r >= rank:
+            return r
+    raise ValueError(f"model.lora_rank: {rank} is above vLLM's largest max_lora_rank ({allowed[-1]})")
+
+
+class AdapterSync:
+    """A LoRA policy's weight sync as an engine that loads base weights by their Hugging Face names and
+    takes the adapters as a peft directory (vLLM's ``LoRARequest``) receives it.
+
+    ``base_weights(items)`` passes the base tensors on (``...q_proj.base_layer.weight`` renamed
+    ``...q_proj.weight``, an NF4 weight dequantized) and sets the adapter tensors aside; ``write()`` then
+    writes them as ``<root>/v000001/`` (adapter_model.safetensors, adapter_config.json), one directory per
+    sync, keeping the newest ``keep`` of them, and returns (directory, bytes) or None when none came.
+    """
+
+    def __init__(self, model: nn.Module, root: Path, keep: int = 2):
+        self.config = adapter_config_dict(model)
+        self.rank = int(model._fastcov_lora["rank"])
+        self.quant = {n: p.quant_state for n, p in model.named_parameters()
+                      if getattr(p, "quant_state", None) is not None}
+        self.root = Path(root)
+        self.keep = keep
+        self.version = 0
+        self.adapter: dict[str, torch.Tensor] = {}
+
+    def base_weights(self, items) -> Iterator[tuple[str, torch.Tensor]]:
+        from fastcov.trainer.runtime.weight_buckets import iter_named
+
+        self.adapter = {}
+        for name, tensor in iter_named(items):
+            if ".lora_" in name:
+                self.adapter[peft_name(name)] = tensor.detach().to("cpu", copy=True).contiguous()
+                continue
+            if name in self.quant:
+                import bitsandbytes.functional as bnbf
+
+                tensor = bnbf.dequantize_4bit(tensor, self.quant[name])
+            yield name.replace(".base_layer.", "."), tensor
+
+    def write(self) -> tuple[Path, int] | None:
+        import shutil
+
+        from safetensors.torch import save_file
+
+        if not self.adapter:
+            return None
+        self.version += 1
+        directory = self.root / f"v{self.version:06d}"
+        directory.mkdir(parents=True, exist_ok=True)
+        save_file(self.adapter, str(directory / "adapter_model.safetensors"))
+        (directory / "adapter_config.json").write_text(json.dumps(self.config, indent=1))
+        for old in sorted(self.root.glob("v*"))[:-self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        return directory, sum(t.numel() * t.element_size() for t in self.adapter.values())
