@@ -22,6 +22,9 @@ def test_everything_made_is_removed_when_a_test_fails(tmp_path):
         names = [subprocess.run(["ip", "netns", "exec", h.ns, "ip", "-o", "addr"], capture_output=True,
                                 text=True, timeout=30).stdout for h in (hosts.a, hosts.b)]
         assert "10.231.0.1/24" in names[0] and "10.231.0.2/24" in names[1]
+        for h in (hosts.a, hosts.b):  # no route out: nothing a test runs can reach another address
+            routes = subprocess.run(["ip", "-n", h.ns, "route"], capture_output=True, text=True, timeout=30).stdout
+            assert [r.split()[0] for r in routes.splitlines()] == ["10.231.0.0/24"], routes
         assert all(s.proc.poll() is None for s in sleepers)
         raise RuntimeError("the test failed")
     assert _ours() == []
