@@ -488,9 +488,6 @@ def _validate_lora(m: ModelConfig, cfg: Config) -> None:
     _check(m.lora_rank == 0 or cfg.rollout.engine != "vllm" or cfg.rollout.vllm_mode == "colocated",
            "model.lora_rank", "LoRA syncs its adapters to a colocated vLLM or the HF engine; vLLM servers take full "
            "weights (set rollout.vllm_mode=colocated or rollout.engine=hf)")
-    _check(m.lora_rank == 0 or cfg.rollout.engine != "vllm" or cfg.rollout.vllm_mode == "colocated",
-           "model.lora_rank", "LoRA syncs its adapters to a colocated vLLM or the HF engine; vLLM servers take full "
-           "weights (set rollout.vllm_mode=colocated or rollout.engine=hf)")
     _check(not cfg.trainer.offload_activations or m.gradient_checkpointing, "trainer.offload_activations",
            "offloads gradient checkpointing's saved activations: set model.gradient_checkpointing=true")
 

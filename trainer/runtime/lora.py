@@ -54,7 +54,7 @@ def quantize_4bit(model: nn.Module, compute_dtype: torch.dtype) -> int:
 
     import bitsandbytes as bnb
 
-    head = model.get_output_embeddings()
+    head = _head(model)
     linears = [(name, mod) for name, mod in model.named_modules() if type(mod) is nn.Linear and mod is not head]
     swaps = [(name, lin) for name, lin in linears if _packable(lin)]
     if len(swaps) < len(linears):
@@ -90,16 +90,29 @@ def add_adapters(model: nn.Module, mcfg, compute_dtype: torch.dtype) -> nn.Modul
     for name, p in model.named_parameters():
         p.requires_grad_(".lora_" in name)
     if HEAD in mcfg.lora_targets:
-        for p in model.get_output_embeddings().parameters():
+        for p in _head(model).parameters():
             p.requires_grad_(True)
-    model._fastcov_lora = {"rank": int(mcfg.lora_rank), "alpha": float(mcfg.lora_alpha),
-                           "dropout": float(mcfg.lora_dropout), "targets": list(mcfg.lora_targets),
-                           "quantization": mcfg.quantization}
+    setattr(model, "_fastcov_lora", {"rank": int(mcfg.lora_rank), "alpha": float(mcfg.lora_alpha),
+                                     "dropout": float(mcfg.lora_dropout), "targets": list(mcfg.lora_targets),
+                                     "quantization": mcfg.quantization})
     return model
 
 
 def has_adapters(model: nn.Module) -> bool:
     return getattr(model, "_fastcov_lora", None) is not None
+
+
+def lora_info(model: nn.Module) -> dict:
+    """What ``add_adapters`` recorded on the model: rank, alpha, dropout, targets, quantization."""
+    return getattr(model, "_fastcov_lora")
+
+
+def _head(model: nn.Module) -> nn.Module:
+    return model.get_output_embeddings()  # type: ignore[operator]  # transformers' PreTrainedModel method
+
+
+def _peft_config(model: nn.Module):
+    return getattr(model, "peft_config")[ADAPTER]
 
 
 def trainable_named(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -132,17 +145,17 @@ def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     from peft import get_peft_model_state_dict
 
     state = get_peft_model_state_dict(model, adapter_name=ADAPTER)
-    if HEAD in model._fastcov_lora["targets"]:
-        head = model.get_output_embeddings()
+    if HEAD in lora_info(model)["targets"]:
+        head = _head(model)
         state.update({f"{HEAD}.{k}": v for k, v in head.state_dict().items()})
     return {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
 
 
 def adapter_config_dict(model: nn.Module, base_name: str | None = None) -> dict:
     """adapter_config.json as peft writes it for this model's adapters."""
-    cfg = model.peft_config[ADAPTER].to_dict()
+    cfg = _peft_config(model).to_dict()
     cfg["base_model_name_or_path"] = base_name
-    if HEAD in model._fastcov_lora["targets"]:
+    if HEAD in lora_info(model)["targets"]:
         cfg["modules_to_save"] = [HEAD]
     return {k: (sorted(v) if isinstance(v, set) else v) for k, v in cfg.items()}
 
@@ -165,10 +178,10 @@ def copy_adapter_layout(src: nn.Module, dst: nn.Module) -> nn.Module:
     a rollout copy whose tensors the weight sync can fill by name."""
     from peft import inject_adapter_in_model
 
-    dst = inject_adapter_in_model(src.peft_config[ADAPTER], dst, adapter_name=ADAPTER)
+    dst = inject_adapter_in_model(_peft_config(src), dst, adapter_name=ADAPTER)
     for p in dst.parameters():
         p.requires_grad_(False)
-    dst._fastcov_lora = dict(src._fastcov_lora)
+    setattr(dst, "_fastcov_lora", dict(lora_info(src)))
     return dst
 
 
@@ -211,8 +224,8 @@ class AdapterSync:
 
     def __init__(self, model: nn.Module, root: Path, keep: int = 2):
         self.config = adapter_config_dict(model)
-        self.rank = int(model._fastcov_lora["rank"])
-        self.quant = {n: p.quant_state for n, p in model.named_parameters()
+        self.rank = int(lora_info(model)["rank"])
+        self.quant = {n: getattr(p, "quant_state") for n, p in model.named_parameters()
                       if getattr(p, "quant_state", None) is not None}
         self.root = Path(root)
         self.keep = keep
