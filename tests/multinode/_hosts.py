@@ -147,11 +147,12 @@ class TwoHosts:
     def launch_both(self, args: list[str], port: int = MASTER_PORT) -> tuple[Launch, Launch]:
         return self.launch(self.a, args, port=port), self.launch(self.b, args, port=port)
 
-    def kill_host(self, host: Host) -> None:
-        """The host dies: SIGKILL every process in its namespace (torchrun's agent and the rank)."""
+    def kill_host(self, host: Host, sig: int = signal.SIGKILL) -> None:
+        """The host dies (SIGKILL) or freezes (SIGSTOP): every process in its namespace (torchrun's agent and
+        the rank) gets ``sig``. ``stop_all`` and the finaliser kill frozen ones too."""
         for pid in [int(p) for p in _ip("netns", "pids", host.ns, check=False).stdout.split()]:
             try:
-                os.kill(pid, signal.SIGKILL)
+                os.kill(pid, sig)
             except ProcessLookupError:
                 pass
 

@@ -3,14 +3,16 @@
 - a ZeRO-3 run finishes on both hosts, with one HF rollout copy per host on its first rank (the node groups
   follow the real host names), and under ``rollout.seeding: per_sample`` it equals, bit for bit, the same
   run on one host with two ranks: every metric but timings, and the final weights;
-- a host that dies mid-run: the other exits 1 within the collective timeout with one line naming the lost
-  rank and the last intact checkpoint, no traceback; ``--resume`` on both hosts then finishes the run.
+- a host that dies mid-run (SIGKILL): the other exits 1 at once with one line naming the lost rank and the
+  last intact checkpoint, no traceback; ``--resume`` on both hosts then finishes the run;
+- a host that freezes (SIGSTOP): the other exits the same way once ``trainer.collective_timeout_s`` is up.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import signal
 import time
 from pathlib import Path
 
@@ -78,21 +80,23 @@ def test_two_hosts_train_and_match_one_host(two_hosts, tmp_path):
         assert w2[name].dtype == w1[name].dtype and bool((w2[name] == w1[name]).all()), name
 
 
-def test_lost_host_one_line_then_resume(two_hosts, tmp_path):
+def lose_host_b(two_hosts, run: Path, sig: int, timeout_s: int) -> tuple[str, Path]:
+    """Start a run on both hosts, send ``sig`` to host b once step 1 is logged; host a must exit 1 within
+    the collective timeout with one line, its last words, naming rank 1 and the newest checkpoint.
+    Returns (that line, the checkpoint)."""
     b = two_hosts.b
-    run = tmp_path / "run"
-    la, lb = two_hosts.launch_both(run_args(run))
+    la, lb = two_hosts.launch_both(run_args(run, f"trainer.collective_timeout_s={timeout_s}"))
     deadline = time.monotonic() + RUN_TIMEOUT
-    while not any(r.get("step") == 1 for r in metrics(run)):  # step 1 is logged: kill b during step 2
+    while not any(r.get("step") == 1 for r in metrics(run)):  # step 1 is logged: b goes during step 2
         assert time.monotonic() < deadline, f"no step 1 within {RUN_TIMEOUT} s\n{la.tail()}\n{lb.tail()}"
         assert la.proc.poll() is None and lb.proc.poll() is None, f"a host stopped early\n{la.tail()}\n{lb.tail()}"
         time.sleep(0.05)
-    two_hosts.kill_host(b)
+    two_hosts.kill_host(b, sig)
     t0 = time.monotonic()
-    rc = la.wait(COLLECTIVE_TIMEOUT + 60)
+    rc = la.wait(timeout_s + 60)
     took = time.monotonic() - t0
     assert rc == 1, f"host a exited {rc}\n{la.tail()}"
-    assert took < COLLECTIVE_TIMEOUT + 30, f"host a took {took:.0f} s to stop"
+    assert took < timeout_s + 30, f"host a took {took:.0f} s to stop"
     err = la.rank_log("stderr")
     assert "Traceback" not in err, err[-3000:]
     lines = [ln for ln in err.splitlines() if ln.startswith("fastcov train:")]
@@ -104,6 +108,17 @@ def test_lost_host_one_line_then_resume(two_hosts, tmp_path):
     named = Path(m.group(1))
     assert named == latest_checkpoint(run / "checkpoints") and named.is_dir(), line
     assert err.rstrip().endswith(line), "the one line is the last thing host a's rank says"
+    return line, named
+
+
+def test_frozen_host_ends_the_run_after_the_collective_timeout(two_hosts, tmp_path):
+    line, _ = lose_host_b(two_hosts, tmp_path / "run", signal.SIGSTOP, 30)
+    assert "Timed out" in line or "timed out" in line, line
+
+
+def test_lost_host_one_line_then_resume(two_hosts, tmp_path):
+    run = tmp_path / "run"
+    _, named = lose_host_b(two_hosts, run, signal.SIGKILL, COLLECTIVE_TIMEOUT)
 
     la, lb = two_hosts.launch_both([*run_args(run), "--resume"], port=29502)
     wait_ok(la, lb)
