@@ -29,7 +29,8 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -ra -m "not slow"
 
 # Two hosts on this machine: network + UTS namespaces joined by a veth pair, torchrun on each
-# (tests/multinode). Needs root, as CI has; removes what it makes. ~2-3 min on 2 idle cores.
+# (tests/multinode). Needs root, as CI has; removes what it makes. About 75 s of CPU: 5m50s wall on 2 cores
+# shared with other jobs (load 9), 2m20s for all but the frozen-host test at the same load.
 test-multinode: $(STAMP)
 	FASTCOV_MULTINODE=1 DS_ACCELERATOR=cpu $(PY) -m pytest -q -ra -p no:cacheprovider tests/multinode
 
