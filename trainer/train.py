@@ -864,9 +864,10 @@ def _train(cfg: Config, resume, stop_at, on_end, closing: contextlib.ExitStack, 
     """The loop: rollouts → rewards → advantages → old log-probs → update → sync → metrics → eval → checkpoint."""
     run = start_run(cfg, resume, overwrite, closing)
     t = cfg.trainer
-    run.sync_weights()
-    if run.step == 0 and t.eval_every and run.val_set:
-        run.log_durably({"step": 0, **run.evaluate(0)})
+    with _lost_rank_exit(run):
+        run.sync_weights()
+        if run.step == 0 and t.eval_every and run.val_set:
+            run.log_durably({"step": 0, **run.evaluate(0)})
     with _StopFlag() as stop, _lost_rank_exit(run):
         while run.step < t.max_steps:
             run.step += 1
