@@ -66,7 +66,7 @@ class _Job:
     """One benchmark process: the policy engine, the rollout engine it syncs into, and the state its
     ``sync`` / ``pack`` steps share."""
 
-    engine: Any  # fastcov.trainer.runtime.policy.PolicyEngine
+    engine: Any  # fastcov.trainer.runtime.policy.DeepSpeedPolicy
     rollout: Any  # the HF rollout engine with its own copy of the weights (per node with several processes)
     n_params: int
     trim: bool = False  # malloc_trim after each bucket (set for the peak-memory run)
@@ -118,7 +118,7 @@ def _build(spec: dict, rank: int, world: int) -> _Job:
     from fastcov.trainer.rollout import make_rollout_engine
     from fastcov.trainer.runtime.distributed import init_distributed
     from fastcov.trainer.runtime.model import PolicyModel, build_model, load_tokenizer
-    from fastcov.trainer.runtime.policy import PolicyEngine
+    from fastcov.trainer.runtime.policy import DeepSpeedPolicy
 
     cpu = torch.device("cpu")
     cfg = _config(MODELS[spec["model"]], spec["zero"], spec["run_dir"])
@@ -126,7 +126,7 @@ def _build(spec: dict, rank: int, world: int) -> _Job:
     torch.manual_seed(0)
     tok = load_tokenizer(cfg.model)
     lm = build_model(cfg.model, cpu, torch.float32, tok)
-    engine = PolicyEngine(PolicyModel(lm), cfg, cpu, world)
+    engine = DeepSpeedPolicy(PolicyModel(lm), cfg, cpu, world)
     # the HF engine's own copy (what ZeRO-3 runs use; with several processes one per node, held by its first
     # rank) is the sync target at every stage measured here
     rollout = make_rollout_engine(cfg, engine.policy.lm, tok, device=cpu, rank=rank, world=world, zero_stage=3)

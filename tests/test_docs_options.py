@@ -167,7 +167,7 @@ def test_exempt_names_are_quoted_and_are_not_options():
 
 def test_the_check_reports_what_is_wrong():
     text = "\n".join([
-        "Set `algo.no_such_option=3`, `trainer.packing: false` (default) and `rollout.engine: sglang`;",
+        "Set `algo.no_such_option=3`, `trainer.packing: false` (default) and `rollout.vllm_mode: sideways`;",
         "`rollout.sync_bucket_mb`, default 32; `fastcov.ops`, `bench.rollout`, `train.py`, runs/demo/data/x.",
         "`trainer.keep_last`, defaults to 2; `algo.mode: kl_cov`; `optim.lr` (default 1e-6).",
         "    fastcov train CONFIG optim.nope=1 trainer.max_steps=ten data.synthetic.enabled=true",
@@ -176,14 +176,14 @@ def test_the_check_reports_what_is_wrong():
         "```",
     ])
     assert [m.key for m in mentions(text, "fake.md")] == [
-        "algo.no_such_option", "trainer.packing", "rollout.engine", "rollout.sync_bucket_mb",
+        "algo.no_such_option", "trainer.packing", "rollout.vllm_mode", "rollout.sync_bucket_mb",
         "trainer.keep_last", "algo.mode", "optim.lr",
         "optim.nope", "trainer.max_steps", "data.synthetic.enabled"]
     assert problems(text, "fake.md") == [
         "fake.md:1: `algo.no_such_option` is not a config option",
         "fake.md:1: `trainer.packing` stated default 'false', the config's is True",
-        "fake.md:1: `rollout.engine` quoted with 'sglang', which its type "
-        "typing.Literal['hf', 'vllm'] does not accept",
+        "fake.md:1: `rollout.vllm_mode` quoted with 'sideways', which its type "
+        "typing.Literal['colocated', 'server'] does not accept",
         "fake.md:2: `rollout.sync_bucket_mb` stated default '32', the config's is 64.0",
         "fake.md:4: `optim.nope` is not a config option",
         "fake.md:4: `trainer.max_steps` quoted with 'ten', which its type <class 'int'> does not accept",

@@ -77,3 +77,17 @@ def test_unknown_names_are_one_line_errors_that_list_the_registry(override, matc
 
     with pytest.raises(ConfigError, match=match):
         load_config(TINY, [override])
+
+
+def test_rollout_engines_are_a_registry_the_config_checks():
+    from fastcov.trainer.config import ConfigError, load_config
+    from fastcov.trainer.rollout import ROLLOUT_ENGINES
+
+    assert {"hf", "vllm"} <= set(ROLLOUT_ENGINES.names())
+    with pytest.raises(ConfigError, match=r"rollout\.engine: unknown rollout engine 'mine'"):
+        load_config("configs/tiny.yaml", ["rollout.engine=mine"])
+    ROLLOUT_ENGINES.add("mine", lambda *a, **k: None)
+    try:
+        assert load_config("configs/tiny.yaml", ["rollout.engine=mine"]).rollout.engine == "mine"
+    finally:
+        ROLLOUT_ENGINES._entries.pop("mine")

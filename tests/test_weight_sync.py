@@ -1,4 +1,4 @@
-"""Bucketed weight sync (trainer/runtime/weight_buckets.py, PolicyEngine.weight_buckets, HFRolloutEngine.update_weights)."""
+"""Bucketed weight sync (trainer/runtime/weight_buckets.py, DeepSpeedPolicy.weight_buckets, HFRolloutEngine.update_weights)."""
 
 import contextlib
 import json
@@ -218,7 +218,7 @@ def _zero3_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     from fastcov.trainer.rollout import make_rollout_engine
     from fastcov.trainer.runtime.distributed import init_distributed
     from fastcov.trainer.runtime.model import PolicyModel, build_model, load_tokenizer
-    from fastcov.trainer.runtime.policy import PolicyEngine
+    from fastcov.trainer.runtime.policy import DeepSpeedPolicy
 
     cfg = load_config(ROOT / "configs" / "tiny.yaml", [
         f"trainer.run_dir={out_dir}/run", "trainer.zero_stage=3", "trainer.device=cpu",
@@ -228,7 +228,7 @@ def _zero3_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.manual_seed(0)
     tok = load_tokenizer(cfg.model)
     lm = build_model(cfg.model, device, torch.float32, tok)
-    engine = PolicyEngine(PolicyModel(lm), cfg, device, world)
+    engine = DeepSpeedPolicy(PolicyModel(lm), cfg, device, world)
     rollout = make_rollout_engine(cfg, engine.policy.lm, tok, device=device, rank=rank, world=world, zero_stage=3)
     with torch.no_grad():  # the rollout copy must really be overwritten by the sync
         for p in rollout.model.parameters():

@@ -85,8 +85,9 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    # hf: the built-in Hugging Face engine; vllm: vLLM (extra `fastcov[vllm]`, see docs/vllm.md).
-    engine: Literal["hf", "vllm"] = "hf"
+    # hf: the built-in Hugging Face engine; vllm: vLLM (extra `fastcov[vllm]`, see docs/vllm.md); or a name
+    # registered in fastcov.trainer.rollout.ROLLOUT_ENGINES by a module under trainer.imports.
+    engine: str = "hf"
     n: int = 8  # rollouts per prompt
     temperature: float = 1.0
     top_p: float = 1.0
@@ -432,6 +433,7 @@ def _check_registered(cfg: Config) -> None:
     from fastcov.advantages import ESTIMATORS
     from fastcov.losses import MODES
     from fastcov.trainer.rewards import REWARD_TASKS
+    from fastcov.trainer.rollout import ROLLOUT_ENGINES
 
     for i, module in enumerate(cfg.trainer.imports):
         try:
@@ -441,7 +443,8 @@ def _check_registered(cfg: Config) -> None:
     a = cfg.algo
     for registry, value, key, extra in ((MODES, a.mode, "algo.mode", ()),
                                         (ESTIMATORS, a.adv_estimator, "algo.adv_estimator", TRAINER_ESTIMATORS),
-                                        (REWARD_TASKS, cfg.reward.task, "reward.task", ())):
+                                        (REWARD_TASKS, cfg.reward.task, "reward.task", ()),
+                                        (ROLLOUT_ENGINES, cfg.rollout.engine, "rollout.engine", ())):
         if value not in registry and value not in extra:
             names = ", ".join(sorted(registry.names() + tuple(extra)))
             near = difflib.get_close_matches(str(value), list(registry.names()) + list(extra), n=1)

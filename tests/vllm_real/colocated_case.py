@@ -3,7 +3,7 @@ process, as in training): ``python tests/vllm_real/colocated_case.py SPEC_JSON O
 
 Builds a tiny random model (SPEC: arch qwen2/llama, tie, bias), the engine through the trainer's factory
 (``make_rollout_engine`` with ``rollout.engine=vllm``), then: the first weight sync (parameters and buffers,
-as ``PolicyEngine.weight_buckets`` sends them), sampling, parity of vLLM's raw log-probs with the policy's
+as ``DeepSpeedPolicy.weight_buckets`` sends them), sampling, parity of vLLM's raw log-probs with the policy's
 through fastcov's fused kernel (``PolicyModel`` -> ``linear_logprob_entropy``) on the same tokens, one
 optimizer step, a sync, parity again and vLLM's changes against the policy's. Writes the numbers to
 OUT_JSON; the test asserts on them. Last, with ``expect_buffer_error``, the pre-fix sync (buffers included)
@@ -82,7 +82,7 @@ def policy_lp(lm, prompts, responses):
 
 
 def sync(eng, lm) -> float:
-    """The trainer's sync: parameters then buffers, as PolicyEngine.weight_buckets yields them."""
+    """The trainer's sync: parameters then buffers, as DeepSpeedPolicy.weight_buckets yields them."""
     from fastcov.trainer.runtime.weight_buckets import iter_buckets
 
     t0 = time.perf_counter()

@@ -6,7 +6,7 @@
     engine.update_weights(iter_of_(name, tensor) or iter_of_Bucket)
     engine = make_rollout_engine(cfg, lm, tokenizer, device=device, rank=rank, world=world)
 
-A weight update is an iterable of ``weight_buckets.Bucket``s (``PolicyEngine.weight_buckets``: a bounded
+A weight update is an iterable of ``weight_buckets.Bucket``s (``DeepSpeedPolicy.weight_buckets``: a bounded
 group of gathered tensors at a time) or of plain ``(name, tensor)`` pairs, named like the Hugging Face
 model's ``named_parameters()``/``named_buffers()``. A producer may gather a bucket (or a tensor) just
 before yielding it and release it just after (ZeRO-3), so an engine consumes each item before asking
@@ -111,7 +111,7 @@ def make_rollout_engine(cfg, model: nn.Module, tokenizer, *, device: torch.devic
                         rank: int = 0, world: int = 1, zero_stage: int = 0) -> RolloutEngine:
     """The rollout engine ``cfg.rollout.engine`` names, built by its ``ROLLOUT_ENGINES`` entry.
 
-    ``model``: the policy's Hugging Face causal LM as DeepSpeed holds it (``PolicyEngine.policy.lm``).
+    ``model``: the policy's Hugging Face causal LM as DeepSpeed holds it (``DeepSpeedPolicy.policy.lm``).
     ``tokenizer``: its eos/pad ids. ``rank``/``world``: this process in the data-parallel training group;
     ``zero_stage``: whether the policy's parameters are partitioned (3). The HF engine's choices (the
     policy's own module, an own copy, one copy per node) are in node.py; vLLM's in vllm_factory.py.

@@ -190,6 +190,3 @@ class DeepSpeedPolicy:
             raise FileNotFoundError(f"resume: no DeepSpeed checkpoint under {directory!r}")
         self.steps = int(client.get("steps", 0))
 
-
-# TODO(refactor): the old name, until the rollout room and its tests use the new one
-PolicyEngine = DeepSpeedPolicy
