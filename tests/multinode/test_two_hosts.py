@@ -3,9 +3,10 @@
 - a ZeRO-3 run finishes on both hosts, with one HF rollout copy per host on its first rank (the node groups
   follow the real host names), and under ``rollout.seeding: per_sample`` it equals, bit for bit, the same
   run on one host with two ranks: every metric but timings, and the final weights;
-- a host that dies mid-run (SIGKILL): the other exits 1 at once with one line naming the lost rank and the
-  last intact checkpoint, no traceback; ``--resume`` on both hosts then finishes the run;
-- a host that freezes (SIGSTOP): the other exits the same way once ``trainer.collective_timeout_s`` is up.
+- the master host dies mid-run (SIGKILL: rank 0, the run directory's lock, torchrun's store): the other
+  exits 1 at once with one line naming the lost rank and the last intact checkpoint, no traceback;
+  ``--resume`` on both hosts then finishes the run;
+- host b freezes (SIGSTOP): host a exits the same way once ``trainer.collective_timeout_s`` is up.
 """
 
 from __future__ import annotations
@@ -80,45 +81,48 @@ def test_two_hosts_train_and_match_one_host(two_hosts, tmp_path):
         assert w2[name].dtype == w1[name].dtype and bool((w2[name] == w1[name]).all()), name
 
 
-def lose_host_b(two_hosts, run: Path, sig: int, timeout_s: int) -> tuple[str, Path]:
-    """Start a run on both hosts, send ``sig`` to host b once step 1 is logged; host a must exit 1 within
-    the collective timeout with one line, its last words, naming rank 1 and the newest checkpoint.
-    Returns (that line, the checkpoint)."""
-    b = two_hosts.b
-    la, lb = two_hosts.launch_both(run_args(run, f"trainer.collective_timeout_s={timeout_s}"))
+def lose_host(two_hosts, run: Path, victim: str, sig: int, timeout_s: int) -> tuple[str, Path]:
+    """Start a run on both hosts, send ``sig`` to host ``victim`` ('a': the master, rank 0; 'b': rank 1) once
+    step 1 is logged; the other host must exit 1 within the collective timeout with one line, its last
+    words, naming the victim's rank and the newest checkpoint. Returns (that line, the checkpoint)."""
+    lost, rank = (two_hosts.a, 0) if victim == "a" else (two_hosts.b, 1)
+    launches = two_hosts.launch_both(run_args(run, f"trainer.collective_timeout_s={timeout_s}"))
+    la, lb = launches
+    survivor = launches[1 - rank]
     deadline = time.monotonic() + RUN_TIMEOUT
-    while not any(r.get("step") == 1 for r in metrics(run)):  # step 1 is logged: b goes during step 2
+    while not any(r.get("step") == 1 for r in metrics(run)):  # step 1 is logged: the victim goes after it
         assert time.monotonic() < deadline, f"no step 1 within {RUN_TIMEOUT} s\n{la.tail()}\n{lb.tail()}"
         assert la.proc.poll() is None and lb.proc.poll() is None, f"a host stopped early\n{la.tail()}\n{lb.tail()}"
         time.sleep(0.05)
-    two_hosts.kill_host(b, sig)
+    two_hosts.kill_host(lost, sig)
     t0 = time.monotonic()
-    rc = la.wait(timeout_s + 60)
+    rc = survivor.wait(timeout_s + 60)
     took = time.monotonic() - t0
-    assert rc == 1, f"host a exited {rc}\n{la.tail()}"
-    assert took < timeout_s + 30, f"host a took {took:.0f} s to stop"
-    err = la.rank_log("stderr")
+    assert rc == 1, f"the survivor exited {rc}\n{survivor.tail()}"
+    assert took < timeout_s + 30, f"the survivor took {took:.0f} s to stop"
+    err = survivor.rank_log("stderr")
     assert "Traceback" not in err, err[-3000:]
     lines = [ln for ln in err.splitlines() if ln.startswith("fastcov train:")]
     assert len(lines) == 1, err[-3000:]
     line = lines[0]
-    assert f"lost rank 1 (host {b.hostname}, {b.address})" in line, line
+    assert f"lost rank {rank} (host {lost.hostname}, {lost.address})" in line, line
     m = re.search(r"the last intact checkpoint is (\S+);", line)
     assert m, line
     named = Path(m.group(1))
     assert named == latest_checkpoint(run / "checkpoints") and named.is_dir(), line
-    assert err.rstrip().endswith(line), "the one line is the last thing host a's rank says"
+    assert err.rstrip().endswith(line), "the one line is the survivor's last words"
     return line, named
 
 
 def test_frozen_host_ends_the_run_after_the_collective_timeout(two_hosts, tmp_path):
-    line, _ = lose_host_b(two_hosts, tmp_path / "run", signal.SIGSTOP, 30)
+    line, _ = lose_host(two_hosts, tmp_path / "run", "b", signal.SIGSTOP, 30)
     assert "Timed out" in line or "timed out" in line, line
 
 
-def test_lost_host_one_line_then_resume(two_hosts, tmp_path):
+def test_lost_master_host_one_line_then_resume(two_hosts, tmp_path):
+    """Host a dies: rank 0, the run directory's lock holder and torchrun's rendezvous store with it."""
     run = tmp_path / "run"
-    _, named = lose_host_b(two_hosts, run, signal.SIGKILL, COLLECTIVE_TIMEOUT)
+    _, named = lose_host(two_hosts, run, "a", signal.SIGKILL, COLLECTIVE_TIMEOUT)
 
     la, lb = two_hosts.launch_both([*run_args(run), "--resume"], port=29502)
     wait_ok(la, lb)
