@@ -29,8 +29,8 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -ra -m "not slow"
 
 # Two hosts on this machine: network + UTS namespaces joined by a veth pair, torchrun on each
-# (tests/multinode). Needs root, as CI has; removes what it makes. About 75 s of CPU: 5m50s wall on 2 cores
-# shared with other jobs (load 9), 2m20s for all but the frozen-host test at the same load.
+# (tests/multinode). Needs root, as CI has; removes what it makes. About 70 s of CPU; on 2 cores shared with
+# other jobs 2m13s wall at load 7, 5m49s at load 9.5.
 test-multinode: $(STAMP)
 	FASTCOV_MULTINODE=1 DS_ACCELERATOR=cpu $(PY) -m pytest -q -ra -p no:cacheprovider tests/multinode
 
