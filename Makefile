@@ -72,7 +72,7 @@ $(VLLM_STAMP): pyproject.toml requirements/dev.txt requirements/vllm.txt
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install -q -r requirements/dev.txt
-	$(VLLM_VENV)/bin/python -m pip install -q -c requirements/dev.txt -r requirements/vllm.txt -e ".[train]"
+	$(VLLM_VENV)/bin/python -m pip install -q -c requirements/dev.txt -r requirements/vllm.txt -e ".[train,lora]"
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 
