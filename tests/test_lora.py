@@ -56,16 +56,15 @@ def test_bad_lora_settings_name_the_key(tmp_path, override, message):
     assert str(info.value).startswith(message) and "\n" not in str(info.value)
 
 
-def test_four_bit_refuses_zero3_and_lora_refuses_prime(tmp_path):
+def test_four_bit_refuses_zero3_and_lora_refuses_vllm_servers(tmp_path):
     with pytest.raises(ConfigError, match=r"^model.quantization: ZeRO-3"):
         tiny(tmp_path, "z3", *LORA, "model.quantization=4bit", "trainer.zero_stage=3")
-    with pytest.raises(ConfigError, match=r"^model.lora_rank: PRIME"):
-        tiny(tmp_path, "prime", *LORA, "algo.adv_estimator=prime")
     with pytest.raises(ConfigError, match=r"^model.lora_rank: LoRA syncs its adapters to a colocated vLLM"):
         tiny(tmp_path, "server", *LORA, "rollout.engine=vllm", "rollout.vllm_mode=server",
              "rollout.vllm_server_urls=[http://h:1]")
-    with pytest.raises(ConfigError, match=r"^model.lora_rank: REINFORCE\+\+'s KL reference"):
-        tiny(tmp_path, "kl", *LORA, "algo.adv_estimator=reinforce_pp", "algo.kl_coef=0.1")
+    # a reference model is the policy with its adapters off (tests/test_lora_reference.py): both accepted
+    tiny(tmp_path, "prime", *LORA, "algo.adv_estimator=prime")
+    tiny(tmp_path, "kl", *LORA, "algo.adv_estimator=reinforce_pp", "algo.kl_coef=0.1")
 
 
 def test_unknown_target_module_is_a_config_error(tmp_path):

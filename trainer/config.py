@@ -483,11 +483,6 @@ def _validate_lora(m: ModelConfig, cfg: Config) -> None:
            "a 4-bit base cannot train: set model.lora_rank > 0 (QLoRA)")
     _check(m.quantization == "none" or cfg.trainer.zero_stage < 3, "model.quantization",
            "ZeRO-3 cannot partition 4-bit weights; use trainer.zero_stage 0-2")
-    _check(m.lora_rank == 0 or cfg.algo.adv_estimator != "prime", "model.lora_rank",
-           "PRIME's reward model is a full trainable copy of the policy; not supported with LoRA")
-    _check(m.lora_rank == 0 or cfg.algo.kl_coef == 0, "model.lora_rank",
-           "REINFORCE++'s KL reference is a copy of the starting model; with LoRA it is not supported yet "
-           "(set algo.kl_coef=0)")
     _check(m.lora_rank == 0 or cfg.rollout.engine != "vllm" or cfg.rollout.vllm_mode == "colocated",
            "model.lora_rank", "LoRA syncs its adapters to a colocated vLLM or the HF engine; vLLM servers take full "
            "weights (set rollout.vllm_mode=colocated or rollout.engine=hf)")

@@ -633,9 +633,11 @@ def _build(cfg: Config, device: torch.device, rank: int, world: int, tokenizer, 
     except ValueError as exc:
         raise _user_error(exc) from None
     # REINFORCE++'s KL reference, PRIME's reference and reward model: copies of the starting weights,
-    # taken before DeepSpeed wraps (and under ZeRO-3 shards) the policy
+    # taken before DeepSpeed wraps (and under ZeRO-3 shards) the policy (with LoRA no reference copy)
     token_adv = make_token_advantages(cfg, lm)
     engine = DeepSpeedPolicy(PolicyModel(lm), cfg, device, world)
+    if token_adv is not None:
+        token_adv.bind_policy(engine)  # LoRA: the reference is the policy with its adapters off
     if engine.frozen_base and rank == 0:
         trainable, total = count_parameters(lm)
         base = " on a 4-bit base" if cfg.model.quantization == "4bit" else ""

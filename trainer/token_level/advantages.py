@@ -11,15 +11,20 @@ reinforce_pp without ``algo.kl_coef``), else an object whose ``apply`` runs betw
   β·log(π_rm/π_ref), leave-one-out baselines, returns, whitening over the batch.
 
 The reference is the model as built at the start of the run (before a resume loads the policy), i.e.
-the initial policy, as both papers use.
+the initial policy, as both papers use. With a LoRA policy it is the policy itself with its adapters
+switched off (the frozen base, no second copy; ``bind_policy``); PRIME's reward model is then a copy
+that trains its own adapters.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
 from fastcov import token_advantages as ta
 from fastcov.trainer.runtime.distributed import all_reduce_
+from fastcov.trainer.runtime.lora import copy_adapter_layout, has_adapters
 from fastcov.trainer.runtime.precision import param_dtype
 
 
@@ -47,9 +52,19 @@ class TokenAdvantages:
         self.cfg = cfg
         a = cfg.algo
         self.prime = a.adv_estimator == "prime"
-        # the reference only reads: the policy's dtype rule (bf16 on a GPU); the PRM trains in fp32
-        self.ref = FrozenModel(lm, dtype=param_dtype(cfg.model, next(lm.parameters()).device))
+        # the reference only reads: the policy's dtype rule (bf16 on a GPU); the PRM trains in fp32. A LoRA
+        # policy's reference is the policy itself with its adapters off, bound once its engine exists.
+        self.ref: Any = (None if has_adapters(lm)
+                         else FrozenModel(lm, dtype=param_dtype(cfg.model, next(lm.parameters()).device)))
         self.prm = (ImplicitPRM(lm, a.prime.beta, a.prime.lr, cfg.optim.grad_clip) if self.prime else None)
+
+    def bind_policy(self, engine) -> None:
+        """Called with the DeepSpeedPolicy once it wraps the model: a LoRA policy's reference is that
+        policy with its adapters switched off (no copy); a full-parameter policy's copy is already taken."""
+        from fastcov.trainer.token_level.prime import AdaptersOffReference
+
+        if self.ref is None:
+            self.ref = AdaptersOffReference(engine)
 
     def apply(self, seqs, pad_id: int, device: torch.device, batch_kw: dict) -> dict[str, float]:
         """Set ``token_advantages`` on every sequence of this rank (every rank must call). Returns metrics."""
@@ -108,13 +123,18 @@ def _full_copy(lm: torch.nn.Module) -> torch.nn.Module:
         full = AutoModelForCausalLM.from_config(lm.config, dtype=first.dtype)
     finally:
         hf_ds._hf_deepspeed_config_weak_ref = held
+    if has_adapters(lm):  # the same adapter modules, so that every tensor of ``state`` has a place
+        full = copy_adapter_layout(lm, full)
     full.load_state_dict(state)
     return full.to(first.device)
 
 
 def make_token_advantages(cfg, lm: torch.nn.Module) -> TokenAdvantages | None:
-    """``lm``: the policy's model as built (possibly ZeRO-3 partitioned), before training starts."""
+    """``lm``: the policy's model as built (possibly ZeRO-3 partitioned), before DeepSpeed wraps it; call
+    ``bind_policy`` with the engine after it does."""
     a = cfg.algo
-    if a.adv_estimator == "prime" or (a.adv_estimator == "reinforce_pp" and a.kl_coef > 0):
+    if a.adv_estimator == "prime":
         return TokenAdvantages(cfg, _full_copy(lm))
+    if a.adv_estimator == "reinforce_pp" and a.kl_coef > 0:  # a LoRA policy needs no copy: no gathering
+        return TokenAdvantages(cfg, lm if has_adapters(lm) else _full_copy(lm))
     return None

@@ -9,7 +9,9 @@ and its score is their sum; the PRM learns from each batch's rollouts with the c
 
 Scale: the PRM and the reference are plain (unsharded) copies of the model on every rank, fp32,
 gradients averaged over ranks by all-reduce; fine for the small models this trainer runs on CPU and
-for single-GPU studies, not a ZeRO-3 setup for 7B+ (see docs/papers.md).
+for single-GPU studies, not a ZeRO-3 setup for 7B+ (see docs/papers.md). With a LoRA policy the
+reference is the policy with its adapters off (``AdaptersOffReference``, no copy) and the PRM's copy
+trains its own adapters only, on a frozen base.
 """
 
 from __future__ import annotations
@@ -24,38 +26,69 @@ from fastcov.token_advantages import prime_ce_loss
 from fastcov.trainer.runtime.distributed import all_reduce_
 
 
+def response_logprobs(model, seqs, pad_id: int, device: torch.device, batch_kw: dict, temperature: float
+                      ) -> list[list[float]]:
+    """log π(y_t) of every response token of ``seqs`` under ``model`` (a PolicyModel or the DeepSpeed engine
+    around one), no grad, in ``model``'s current mode. Every rank must call: micro-batch counts agree."""
+    from fastcov.trainer.runtime.batch import micro_batches
+
+    out: list[list[float]] = [[] for _ in seqs]
+    with torch.no_grad():
+        for mb in micro_batches(seqs, pad_id=pad_id, device=device, **batch_kw):
+            res = model(**mb.model_inputs(), temperature=temperature, entropy=False)
+            if mb.weight == 0:
+                continue
+            for si, (row, start, n) in zip(mb.seq_index, mb.spans):
+                out[si] = res.logprob[row, start : start + n].float().tolist()
+    return out
+
+
 class FrozenModel:
-    """A no-grad copy of a causal LM that returns per-response-token log-probs of sequences."""
+    """A no-grad copy of a causal LM that returns per-response-token log-probs of sequences.
+
+    ``trainable``: the copy trains (PRIME's reward model): every parameter, or only the LoRA adapters when
+    ``lm`` carries them (a frozen base, possibly 4-bit, cannot train in full)."""
 
     def __init__(self, lm: torch.nn.Module, trainable: bool = False, dtype: torch.dtype | None = None):
+        from fastcov.trainer.runtime.lora import has_adapters
         from fastcov.trainer.runtime.model import PolicyModel
 
+        adapters = has_adapters(lm)
         lm = copy.deepcopy(lm)
         if dtype is not None:
             lm = lm.to(dtype)
         lm.config.use_cache = False  # type: ignore[union-attr]  # nn.Module's __getattr__ types it as Tensor
-        for p in lm.parameters():
-            p.requires_grad_(trainable)
+        for name, p in lm.named_parameters():
+            p.requires_grad_(trainable and (not adapters or ".lora_" in name))
         self.model = PolicyModel(lm)
         self.model.train(trainable)
 
     def logprobs(self, seqs, pad_id: int, device: torch.device, batch_kw: dict, temperature: float
                  ) -> list[list[float]]:
         """log π(y_t) of every response token of ``seqs`` (every rank must call: micro-batch counts agree)."""
-        from fastcov.trainer.runtime.batch import micro_batches
-
-        out: list[list[float]] = [[] for _ in seqs]
         was = self.model.training
         self.model.eval()
-        with torch.no_grad():
-            for mb in micro_batches(seqs, pad_id=pad_id, device=device, **batch_kw):
-                res = self.model(**mb.model_inputs(), temperature=temperature, entropy=False)
-                if mb.weight == 0:
-                    continue
-                for si, (row, start, n) in zip(mb.seq_index, mb.spans):
-                    out[si] = res.logprob[row, start : start + n].float().tolist()
+        out = response_logprobs(self.model, seqs, pad_id, device, batch_kw, temperature)
         self.model.train(was)
         return out
+
+
+class AdaptersOffReference:
+    """π_ref of a LoRA policy: the policy being trained, called through its own engine with every adapter
+    switched off: the frozen base, never a second copy (under ZeRO-3 the same partitioned weights are
+    gathered as for the policy's own forward)."""
+
+    def __init__(self, engine):
+        self.engine = engine  # DeepSpeedPolicy
+
+    def logprobs(self, seqs, pad_id: int, device: torch.device, batch_kw: dict, temperature: float
+                 ) -> list[list[float]]:
+        """log π_base(y_t) of every response token of ``seqs`` (every rank must call)."""
+        from fastcov.trainer.runtime.lora import adapters_disabled
+
+        self.engine.eval()
+        with adapters_disabled(self.engine.policy.lm):
+            return response_logprobs(self.engine, seqs, pad_id, device, batch_kw, temperature)
 
 
 class ImplicitPRM(FrozenModel):
@@ -108,9 +141,16 @@ class ImplicitPRM(FrozenModel):
         return {"prm_loss": float(stats[0]) / max(total, 1.0), "prm_acc": float(stats[1]) / max(total, 1.0)}
 
     # ------------------------------------------------------------------ checkpoint
+    def _trained_state(self) -> dict[str, torch.Tensor]:
+        """What the checkpoint keeps of the PRM: the whole model, or with LoRA its adapters only (the
+        frozen base, NF4 or not, is rebuilt identically)."""
+        if len(self.params) == sum(1 for _ in self.model.lm.parameters()):
+            return self.model.lm.state_dict()
+        return {n: p.detach() for n, p in self.model.lm.named_parameters() if p.requires_grad}
+
     def save(self, directory: Path) -> None:
         path = Path(directory) / "prm.pt"
-        torch.save({"model": self.model.lm.state_dict(), "optimizer": self.optimizer.state_dict()}, path)
+        torch.save({"model": self._trained_state(), "optimizer": self.optimizer.state_dict()}, path)
         with open(path, "rb") as f:
             os.fsync(f.fileno())
 
@@ -119,5 +159,9 @@ class ImplicitPRM(FrozenModel):
         if not path.is_file():
             raise FileNotFoundError(f"{str(path)!r}: this checkpoint has no PRIME reward model")
         state = torch.load(path, map_location="cpu", weights_only=True)
-        self.model.lm.load_state_dict(state["model"])
+        want = self._trained_state()
+        if set(state["model"]) != set(want):
+            raise ValueError(f"{str(path)!r} holds other tensors than this run's reward model "
+                             f"({len(state['model'])} against {len(want)}): a LoRA and a full run do not mix")
+        self.model.lm.load_state_dict(state["model"], strict=len(want) == len(self.model.lm.state_dict()))
         self.optimizer.load_state_dict(state["optimizer"])
