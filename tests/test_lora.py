@@ -268,3 +268,39 @@ def test_lora_under_zero3_syncs_adapters_into_the_rollout_copy(tmp_path):
     assert recs[-1]["sync_bytes"] == seen["adapter_bytes"]
     assert all(abs(r["rollout_logprob_diff"]) < 1e-4 for r in recs)  # step 2 samples from the synced adapters
     assert (run / "final" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_adapter_final_is_evaluated_as_its_merged_base(tmp_path, monkeypatch, capsys):
+    """A LoRA run's final/ (an adapter naming its base by absolute path) is what `fastcov eval` and the demo's
+    harder-split evaluation load: the base with the adapter merged, the trained policy's own outputs."""
+    import json
+
+    from fastcov.cli import main
+    from fastcov.trainer.runtime.lora import is_adapter_dir, load_merged_adapter
+
+    base = train_mod.train(tiny(tmp_path, "base", "trainer.max_steps=1")) / "final"
+    seen = {}
+    x = torch.randint(0, 40, (2, 9))
+
+    def on_end(engine, rollout):
+        with torch.no_grad():
+            seen["logits"] = engine.policy.lm(x).logits
+
+    run = train_mod.train(tiny(tmp_path, "lora", *LORA, f"model.path={base}", "model.arch=null", "optim.lr=1e-2",
+                               "trainer.max_steps=2"), on_end=on_end)
+    final = run / "final"
+    assert is_adapter_dir(final)
+    assert json.loads((final / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base.resolve())
+    monkeypatch.chdir(tmp_path)  # the base is found from any working directory
+    merged = load_merged_adapter(final, torch.device("cpu"), torch.float32)
+    assert not any(".lora_" in n for n, _ in merged.named_parameters())
+    with torch.no_grad():
+        torch.testing.assert_close(merged(x).logits, seen["logits"], rtol=1e-5, atol=1e-5)
+    capsys.readouterr()
+    assert main(["eval", "--model", str(final), "--data", str(run / "data" / "val.parquet"), "--k", "2",
+                 "--sample-all", "--max-new-tokens", "6", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["prompts"] > 0
+    (final / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(tmp_path / "gone")}))
+    with pytest.raises(ValueError, match="cannot load its base model"):
+        load_merged_adapter(final, torch.device("cpu"), torch.float32)

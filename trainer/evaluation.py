@@ -154,7 +154,8 @@ def evaluate(rollout, val_set, reward_fn, tokenizer, cfg: Config, rank: int, wor
 def evaluate_model(model: str, data: list[str], *, k: int = 1, temperature: float = 0.6, max_new_tokens: int = 256,
                    max_prompt_len: int = 2048, max_prompts: int = 0, batch_size: int = 64, device: str = "auto",
                    seed: int = 0, sample_all: bool = False, task: str = "math") -> dict:
-    """The trainer's evaluation (``evaluate``) of a saved model on parquet files: a dict
+    """The trainer's evaluation (``evaluate``) of a saved model (or a LoRA run's adapter directory, merged into
+    the base it names) on parquet files: a dict
     with ``prompts``, ``k``, ``val_acc``, ``val_pass@k`` / ``val_mean@k``, diversity and calibration. Raises
     ValueError (or FileNotFoundError) when the model, tokenizer or data cannot be loaded. ``task``: a name in
     ``REWARD_TASKS`` (its default ``reward`` settings score the answers)."""
@@ -162,13 +163,17 @@ def evaluate_model(model: str, data: list[str], *, k: int = 1, temperature: floa
     from fastcov.trainer.data.loading import load_examples
     from fastcov.trainer.rollout import HFRolloutEngine
     from fastcov.trainer.runtime.distributed import pick_device
+    from fastcov.trainer.runtime.lora import is_adapter_dir, load_merged_adapter
     from fastcov.trainer.runtime.model import build_model, load_tokenizer
     from fastcov.trainer.runtime.precision import param_dtype
 
     mcfg = ModelConfig(path=model)
     dev = pick_device(device)
     tok = load_tokenizer(mcfg)
-    net = build_model(mcfg, dev, param_dtype(mcfg, dev))
+    if is_adapter_dir(model):  # a LoRA run's final/: its base with the adapter merged in
+        net = load_merged_adapter(model, dev, param_dtype(mcfg, dev))
+    else:
+        net = build_model(mcfg, dev, param_dtype(mcfg, dev))
     examples, _ = load_examples(data, tok, max_prompt_len)
     if max_prompts:
         examples = examples[:max_prompts]

@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--max-prompts: must be >= 0 (0 = all), got {args.max_prompts}")
     if args.task not in REWARD_TASKS:
         raise UsageError(f"--task: unknown reward task {args.task!r}; registered: {', '.join(REWARD_TASKS.names())}")
-    check_model_source(ModelConfig(path=args.model), names=("--model", "--model"))
+    check_model_source(ModelConfig(path=args.model), names=("--model", "--model"), adapters_ok=True)
     for f in args.data:
         if not Path(f).is_file():
             raise UsageError(f"--data: {f!r} does not exist or is not a file")

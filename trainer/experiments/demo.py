@@ -149,6 +149,8 @@ def evaluate_harder(run_dir: Path, start_model: Path, data_file: Path, seed: int
 def evaluate_harder_runs(run_dirs: dict, cfgs: dict, data_file: Path, start_model: Path, tag: str) -> dict:
     """``evaluate_harder`` for every run of ``run_dirs`` (key -> run directory; ``cfgs`` has the same keys), each
     sampled with its run's seed and threads; {} when ``data_file`` does not exist (a task written before it had one)."""
+    from fastcov.trainer.runtime.lora import is_adapter_dir
+
     if not data_file.is_file():
         return {}
     print(f"[{tag}] evaluating the start model and every run on {data_file} ({HARDER_K} samples per prompt)",
@@ -156,7 +158,8 @@ def evaluate_harder_runs(run_dirs: dict, cfgs: dict, data_file: Path, start_mode
     cache: dict = {}
     out = {}
     for key, d in run_dirs.items():
-        if not (Path(d) / "final" / "config.json").is_file():  # a run that stopped before its export
+        final = Path(d) / "final"
+        if not ((final / "config.json").is_file() or is_adapter_dir(final)):  # stopped before its export
             print(f"[{tag}] {d}: no final model, not evaluated on {data_file.name}", flush=True)
             continue
         out[key] = evaluate_harder(d, start_model, data_file, cfgs[key].trainer.seed, cfgs[key].rollout.max_new_tokens,

@@ -173,6 +173,32 @@ def save_adapter(model: nn.Module, directory: Path, base_name: str | None = None
     return sum(t.numel() * t.element_size() for t in state.values())
 
 
+def is_adapter_dir(path) -> bool:
+    """Whether ``path`` is a saved adapter (peft's layout, as a LoRA run's ``final/``)."""
+    return (Path(path) / "adapter_config.json").is_file()
+
+
+def load_merged_adapter(adapter_dir, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """The base model named in ``adapter_dir``'s adapter_config.json with the adapter merged into its weights:
+    a plain causal LM for evaluation and generation. The base loads in ``dtype`` (a QLoRA run's base is
+    evaluated unquantized). Raises ValueError naming the missing or unreadable base."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    adapter_dir = Path(adapter_dir)
+    base = json.loads((adapter_dir / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    if not base:
+        raise ValueError(f"{str(adapter_dir)!r}: adapter_config.json names no base model "
+                         "(base_model_name_or_path); a run from model.arch has none on disk")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{str(adapter_dir)!r}: cannot load its base model {base!r}: "
+                         f"{str(exc).splitlines()[0]}") from None
+    model = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
+    return model.to(device)
+
+
 def copy_adapter_layout(src: nn.Module, dst: nn.Module) -> nn.Module:
     """``dst`` (a plain copy of ``src``'s architecture) with the same adapter modules as ``src``, frozen:
     a rollout copy whose tensors the weight sync can fill by name."""

@@ -249,10 +249,12 @@ def packed_attention(position_ids: torch.Tensor, attn_implementation: str, dtype
     raise ValueError(f"model.attn_implementation: packing does not support {attn_implementation!r}")
 
 
-def check_model_source(mcfg, names: tuple[str, str] = ("model.path", "model.tokenizer")) -> None:
+def check_model_source(mcfg, names: tuple[str, str] = ("model.path", "model.tokenizer"),
+                       adapters_ok: bool = False) -> None:
     """A local model/tokenizer path that cannot be a Hugging Face directory stops here, before any
     download or write. Hub ids (``org/name`` that is not a local path) are left to transformers.
-    ``names``: how the error calls the model and tokenizer settings (config keys, or CLI flags)."""
+    ``names``: how the error calls the model and tokenizer settings (config keys, or CLI flags).
+    ``adapters_ok``: a saved LoRA adapter (adapter_config.json) is a model too (evaluation)."""
     for key, value in zip(names, (mcfg.path, mcfg.tokenizer)):
         if value is None or value.startswith("builtin:"):
             continue
@@ -265,7 +267,10 @@ def check_model_source(mcfg, names: tuple[str, str] = ("model.path", "model.toke
         if not p.is_dir():
             raise ConfigError(f"{key}: {value!r} is a file; give the model's directory (with config.json)")
         if value == mcfg.path and not (p / "config.json").is_file():
-            raise ConfigError(f"{key}: {value!r} is not a Hugging Face model directory (no config.json)")
+            if adapters_ok and (p / "adapter_config.json").is_file():
+                continue
+            also = " or adapter_config.json" if adapters_ok else ""
+            raise ConfigError(f"{key}: {value!r} is not a Hugging Face model directory (no config.json{also})")
 
 
 def export_final(model, tokenizer, run_dir: Path) -> Path:
@@ -282,7 +287,10 @@ def export_final(model, tokenizer, run_dir: Path) -> Path:
     if has_adapters(model):  # LoRA: the adapter alone, in peft's layout (PeftModel.from_pretrained(base, final))
         from fastcov.trainer.runtime.lora import save_adapter
 
-        save_adapter(model, tmp, getattr(model.config, "_name_or_path", None) or None)
+        base = getattr(model.config, "_name_or_path", None) or None
+        if base is not None and Path(base).is_dir():  # a local base by its absolute path: the adapter
+            base = str(Path(base).resolve())           # loads from any working directory
+        save_adapter(model, tmp, base)
     else:
         model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
