@@ -70,15 +70,34 @@ def test_a_lock_left_by_a_dead_run_is_taken_over_once(tmp_path, capsys):
     holder.wait()
     lock = RunDirLock.acquire(run)
     assert f"the lock left by pid {holder.pid} on host" in capsys.readouterr().out
-    with pytest.raises(RunDirBusy, match=f"in use by pid {os.getpid()}"):
-        probe = subprocess.run([sys.executable, "-c", "import sys; from fastcov.trainer.runtime.run_dir import "
-                                "RunDirLock; RunDirLock.acquire(sys.argv[1])", str(run)],
-                               capture_output=True, text=True)
-        raise RunDirBusy(probe.stderr.strip().splitlines()[-1])
+    probe = subprocess.run([sys.executable, "-c", "import sys; from fastcov.trainer.runtime.run_dir import "
+                            "RunDirLock; RunDirLock.acquire(sys.argv[1])", str(run)], capture_output=True, text=True)
+    last = probe.stderr.strip().splitlines()[-1]  # another process is refused while this one holds it
+    assert probe.returncode == 1 and last.startswith(f"{RunDirBusy.__module__}.RunDirBusy: ") and \
+        f"is in use by pid {os.getpid()} on host" in last, probe.stderr
     lock.release()
     assert (run / ".lock").read_bytes() == b""  # released cleanly: the next run has nothing to take over
     RunDirLock.acquire(run).release()
     assert "taken over" not in capsys.readouterr().out
+
+
+def test_overwrite_then_a_user_error_lets_go_of_the_new_directory(tmp_path, train_mod, monkeypatch):
+    """--overwrite moves the old run aside and locks the new directory; a user error after that must let go
+    of the new lock (not the old one), so that the next run in the same process can take the directory."""
+    from fastcov.errors import UserError
+    from fastcov.trainer.config import load_config
+
+    run = tmp_path / "run"
+    cfg = load_config(TINY, [f"trainer.run_dir={run}", *BASE, "trainer.max_steps=1"])
+    train_mod.train(cfg)
+    real = train_mod.prepare_data
+    monkeypatch.setattr(train_mod, "prepare_data", lambda *a: (_ for _ in ()).throw(UserError("data: broken")))
+    with pytest.raises(UserError, match="data: broken"):
+        train_mod.train(cfg, overwrite=True)
+    monkeypatch.setattr(train_mod, "prepare_data", real)
+    RunDirLock.acquire(run).release()  # free: a leaked lock of this process would refuse this (flock per fd)
+    train_mod.train(cfg, overwrite=True)
+    assert [r["step"] for r in read_metrics(run)] == [1]
 
 
 def test_two_runs_started_together_one_trains_one_refuses(tmp_path):

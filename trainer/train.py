@@ -555,15 +555,15 @@ class RunIOError(UserError):
 def hold_run_dir(run_dir: Path, rank: int) -> RunDirLock | None:
     """Rank 0 takes the run directory's lock before anything is written; every rank stops with its one-line
     error when it cannot (another live run holds the directory, or it cannot be written)."""
-    lock, why = None, ""
+    lock, why, kind = None, "", ""
     if rank == 0 and not (run_dir.exists() and not run_dir.is_dir()):  # a file: check_run_dir says so
         try:
             lock = RunDirLock.acquire(run_dir)
         except UserError as exc:
-            why = str(exc)
-    why = broadcast_text(why)
+            why, kind = str(exc), type(exc).__name__
+    why, kind = broadcast_text(why), broadcast_text(kind)
     if why:
-        raise (RunDirBusy if "is in use by" in why else UserError)(why)
+        raise (RunDirBusy if kind == RunDirBusy.__name__ else UserError)(why)
     return lock
 
 
@@ -585,13 +585,14 @@ def _check_and_prepare(cfg: Config, resume, overwrite: bool, closing: contextlib
     run_dir = Path(t.run_dir)
     lock = hold_run_dir(run_dir, rank)
     try:
-        out = _checked_setup(cfg, resume, overwrite, device, rank, world, lock)
+        setup = _checked_setup(cfg, resume, overwrite, device, rank, world, lock)
     except BaseException:
         if lock is not None:
             lock.abandon()  # a user error leaves the disk as it was
         raise
-    closing.callback(out[-1].release if out[-1] is not None else lambda: None)
-    return out[:-1]
+    if lock is not None:
+        closing.callback(lock.release)
+    return setup
 
 
 def _checked_setup(cfg: Config, resume, overwrite: bool, device, rank: int, world: int, lock):
@@ -614,7 +615,7 @@ def _checked_setup(cfg: Config, resume, overwrite: bool, device, rank: int, worl
     if rank == 0:
         try:
             if prepare_run_dir(run_dir, overwrite) is not None:
-                lock = lock.moved_to(run_dir)  # the old run went aside with its lock file
+                lock.move_to(run_dir)  # the old run went aside with its lock file
         except OSError as exc:
             raise io_error(run_dir, exc) from None
     dist.barrier()
@@ -622,7 +623,7 @@ def _checked_setup(cfg: Config, resume, overwrite: bool, device, rank: int, worl
         train_files, val_files = prepare_data(cfg, tokenizer, run_dir, rank)
         dist.barrier()
         train_set, val_set, data_stats = load_train_val(cfg, tokenizer, train_files, val_files)
-    return device, rank, world, resume_path, tokenizer, train_set, val_set, data_stats, lock
+    return device, rank, world, resume_path, tokenizer, train_set, val_set, data_stats
 
 
 def _build(cfg: Config, device: torch.device, rank: int, world: int, tokenizer, closing: contextlib.ExitStack):

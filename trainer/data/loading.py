@@ -219,6 +219,12 @@ class PromptSampler:
         self._order = self._perm(self.epoch)
 
 
+def staging_dir(data_dir: Path) -> Path:
+    """Where the synthetic task is written before it is renamed into ``data_dir`` (a run directory that
+    holds nothing else can still be trained into: ``runtime.run_dir.REGENERABLE``)."""
+    return data_dir.with_name(f".{data_dir.name}.tmp")
+
+
 def _write_synthetic(data_dir: Path, s) -> None:
     """The synthetic task into ``data_dir``, whole or not at all: written beside it, fsynced, then renamed
     in, train.parquet last, so a train.parquet that exists means both files are complete."""
@@ -226,7 +232,7 @@ def _write_synthetic(data_dir: Path, s) -> None:
 
     from fastcov.trainer.data.synthetic import write_task
 
-    tmp = data_dir.with_name(f".{data_dir.name}.tmp")
+    tmp = staging_dir(data_dir)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     write_task(str(tmp / "train.parquet"), str(tmp / "val.parquet"), s.n_train, s.n_val, s.seed, s.min_ops,

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from fastcov.errors import ConfigError, UserError
+from fastcov.trainer.data.loading import staging_dir
 from fastcov.trainer.runtime.checkpoint import (
     CheckpointError,
     check_checkpoint,
@@ -56,7 +57,7 @@ def data_dir(run_dir: str | Path) -> Path:
 # A run directory holding nothing but these can be trained into afresh (data/: the synthetic task,
 # which a run only writes when missing and regenerates identically, and its temporary folder; .lock: who
 # holds the directory).
-REGENERABLE = {DATA, f".{DATA}.tmp", LOCK}
+REGENERABLE = {DATA, staging_dir(Path(DATA)).name, LOCK}
 
 
 class RunDirBusy(UserError):
@@ -133,11 +134,12 @@ class RunDirLock:
         except OSError:
             pass
 
-    def moved_to(self, run_dir: Path) -> RunDirLock:
-        """The lock of ``run_dir`` (where the run now lives, after --overwrite moved the old one aside)."""
+    def move_to(self, run_dir: Path) -> None:
+        """Hold ``run_dir``'s lock instead (where the run now lives, after --overwrite moved the old one aside
+        with its lock file): the same object, so whoever releases or abandons it acts on the new one."""
         new = RunDirLock.acquire(run_dir)
         self.release()
-        return new
+        self.run_dir, self.fd, self.created = new.run_dir, new.fd, new.created
 
 
 def _holder(fd: int) -> str:
