@@ -12,8 +12,6 @@ and the error vLLM's loader gives for it.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -141,7 +139,6 @@ def run(spec: dict, run_dir: str) -> dict:
 
 
 if __name__ == "__main__":
-    spec, out = json.loads(sys.argv[1]), Path(sys.argv[2])
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    result = run(spec, str(out.parent / "run"))
-    out.write_text(json.dumps(result, indent=1))
+    from case_process import main
+
+    main(run)

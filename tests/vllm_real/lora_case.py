@@ -13,8 +13,6 @@ parity again. Writes the numbers to OUT_JSON; tests/vllm_real/test_lora.py asser
 from __future__ import annotations
 
 import copy
-import json
-import os
 import sys
 from pathlib import Path
 from types import SimpleNamespace as NS
@@ -141,7 +139,6 @@ def run(spec: dict, run_dir: str) -> dict:
 
 
 if __name__ == "__main__":
-    spec, out = json.loads(sys.argv[1]), Path(sys.argv[2])
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    result = run(spec, str(out.parent / "run"))
-    out.write_text(json.dumps(result, indent=1))
+    from case_process import main
+
+    main(run)

@@ -5,13 +5,13 @@ Each case runs in a process of its own (tests/vllm_real/colocated_case.py): one 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from case_process import run_case_process  # noqa: E402
 
 CASE = Path(__file__).with_name("colocated_case.py")
 PARITY_MAX, PARITY_MEAN = 0.05, 0.01  # nats: bf16 vLLM against the bf16 policy through the fused kernel
@@ -24,12 +24,7 @@ CASES = {
 
 
 def run_case(spec: dict, tmp_path: Path) -> tuple[dict, str]:
-    out = tmp_path / "out.json"
-    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
-    proc = subprocess.run([sys.executable, str(CASE), json.dumps(spec), str(out)], capture_output=True, text=True,
-                          env=env, timeout=600)
-    assert proc.returncode == 0, f"case {spec} failed:\n{proc.stderr[-4000:]}"
-    return json.loads(out.read_text()), proc.stderr
+    return run_case_process(CASE, spec, tmp_path)
 
 
 @pytest.mark.parametrize("name", list(CASES))

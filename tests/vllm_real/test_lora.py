@@ -5,13 +5,13 @@ dequantized) and the adapters alone after. Each case runs in a process of its ow
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from case_process import run_case_process  # noqa: E402
 
 CASE = Path(__file__).with_name("lora_case.py")
 PARITY_MEAN = 0.02  # nats: bf16 vLLM against the policy through the fused kernel (an NF4 base: fp32 compute)
@@ -25,12 +25,7 @@ def run_case(spec: dict, tmp_path: Path) -> dict:
         except ImportError:
             pytest.fail(f"tests/vllm_real/test_lora.py needs {module} in this environment: "
                         "pip install -c requirements/dev.txt 'fastcov[lora]'", pytrace=False)
-    out = tmp_path / "out.json"
-    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
-    proc = subprocess.run([sys.executable, str(CASE), json.dumps(spec), str(out)], capture_output=True, text=True,
-                          env=env, timeout=600)
-    assert proc.returncode == 0, f"case {spec} failed:\n{proc.stderr[-4000:]}"
-    return json.loads(out.read_text())
+    return run_case_process(CASE, spec, tmp_path)[0]
 
 
 @pytest.mark.parametrize("quant", ["none", "4bit"])
