@@ -143,3 +143,40 @@ def test_fastcov_eval_cli_reports_pass_at_k(tmp_path, capsys):
                  "--sample-all", "--task", "code", "--max-new-tokens", "4", "--json"]) == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert res["prompts"] == 3 and res["val_pass@2"] == 0.0 and "val_distinct_answers" in res
+
+
+class SeededRollout(FakeRollout):
+    """Answers drawn from the call's generator, or from each sample's own seed (``sampling.seeds``)."""
+
+    def generate(self, prompts, sampling, generator=None):
+        self.calls.append(sampling)
+        ids, lps = [], []
+        for n, p in enumerate(prompts):
+            g = generator if sampling.seeds is None else torch.Generator().manual_seed(sampling.seeds[n])
+            j = int(torch.randint(0, 1000, (1,), generator=g))
+            ids.append([p[0], j % 2, 7])
+            lps.append([-(j % 13) / 10.0] * 3)
+        return RolloutBatch(ids, lps)
+
+
+@pytest.mark.parametrize("seeding", ["batch", "per_sample"])
+def test_sampled_evaluation_under_per_sample_seeding_does_not_depend_on_the_ranks(seeding):
+    """rollout.seeding per_sample: every sample of the evaluation has its own seed, so two ranks that each
+    evaluate half of the prompts draw the samples one rank draws for all (batch seeding does not)."""
+    cfg = Config()
+    cfg.trainer.eval_k = 4
+    cfg.trainer.eval_sample_all = True
+    cfg.rollout.seeding = seeding
+    val = [SimpleNamespace(prompt_ids=[p], ground_truth=str(p % 3), data_source="synthetic") for p in range(1, 10)]
+
+    def run(rank, world):
+        rollout = SeededRollout()
+        res = evaluation.evaluate(rollout, val, FakeReward(), FakeTok(), cfg, rank, world, torch.device("cpu"), 20)
+        return res, len(val[rank::world])
+
+    (whole, n), halves = run(0, 1), [run(r, 2) for r in (0, 1)]
+    joined = sum(res["val_acc"] * m for res, m in halves) / n  # all_sum is local without a process group
+    brier = sum(res["val_brier"] * m for res, m in halves) / n
+    same = joined == pytest.approx(whole["val_acc"], abs=1e-12) and brier == pytest.approx(whole["val_brier"],
+                                                                                          abs=1e-12)
+    assert same == (seeding == "per_sample")

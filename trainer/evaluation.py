@@ -25,6 +25,7 @@ from fastcov.metrics import default_ks, distinct_answers, distinct_n, pass_at_k,
 from fastcov.trainer.config import Config
 from fastcov.trainer.rewards import REWARD_TASKS
 from fastcov.trainer.rollout import SamplingParams
+from fastcov.trainer.rollout.base import sample_seed
 from fastcov.trainer.runtime.distributed import all_sum
 
 BINS = 10
@@ -113,7 +114,7 @@ def evaluate(rollout, val_set, reward_fn, tokenizer, cfg: Config, rank: int, wor
     k = t.eval_k
     max_new = t.eval_max_new_tokens or cfg.rollout.max_new_tokens
     gen = torch.Generator(device=rollout.device).manual_seed(cfg.trainer.seed * 7919 + step)
-    mine = val_set[rank::world]
+    per_sample = cfg.rollout.seeding == "per_sample"  # sample j of prompt i: its own seed on any topology
     sources = sorted({e.data_source for e in val_set})
     per_source = {s: [0.0, 0.0] for s in sources}
     by_mode: dict[tuple[float, bool], list] = {}
@@ -123,12 +124,16 @@ def evaluate(rollout, val_set, reward_fn, tokenizer, cfg: Config, rank: int, wor
         sp, sampled = eval_sampling(s, t, max_new)
         mode_of[s] = (sp.temperature, sampled)
         by_mode.setdefault(mode_of[s], [])
-    for ex in mine:
-        by_mode[mode_of[ex.data_source]].append(ex)
-    for (temp, sampled), exs in sorted(by_mode.items()):
+    for i in range(rank, len(val_set), world):  # this rank's prompts, by their index in the whole set
+        by_mode[mode_of[val_set[i].data_source]].append((i, val_set[i]))
+    for (temp, sampled), indexed in sorted(by_mode.items()):
         reps = k if sampled else 1  # greedy decoding gives k identical samples
+        exs = [e for _, e in indexed]
         prompts = [e.prompt_ids for e in exs for _ in range(reps)]
-        out = rollout.generate(prompts, SamplingParams(temp, 1.0, max_new), gen)
+        sampling = SamplingParams(temp, 1.0, max_new)
+        if per_sample and temp > 0:  # evaluation's steps are negative: never a training step's seeds
+            sampling.seeds = [sample_seed(t.seed, -1 - step, i, j) for i, _ in indexed for j in range(reps)]
+        out = rollout.generate(prompts, sampling, gen)
         texts = tokenizer.batch_decode(out.token_ids, skip_special_tokens=True)
         oks = reward_fn.check_batch(texts, [e.ground_truth for e in exs for _ in range(reps)])
         for i, e in enumerate(exs):
