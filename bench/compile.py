@@ -160,7 +160,8 @@ def _peer_row(name, fn, types: dict, fixed: dict, ones=(), aligned=(), launches=
     jit = _jit(fn)
     params = tuple((a, types.get(a, "constexpr")) for a in jit.arg_names)
     return KernelRow(name=name, fn=jit, params=params, dtypes=("bfloat16",), switches=({},),
-                     launches=lambda dt, sw: list(launches), fixed=fixed, ones=tuple(ones), aligned=tuple(aligned))
+                     launches=lambda dt, sw, arch: list(launches), fixed=fixed, ones=tuple(ones),
+                     aligned=tuple(aligned))
 
 
 def _cce_launches(best, extra_min_tile=128 * 128):
@@ -198,7 +199,7 @@ def _baseline_rows(rev: str):
     for kernel, tuned in (("_forward_kernel", module._forward_tuned), ("_dz_kernel", module._dz_tuned)):
         launches = [Launch(dict(c.kwargs), c.num_warps, c.num_stages) for c in tuned.configs]
         rows.append(dataclasses.replace(by_name(f"linear_logprob_entropy.{kernel}"), fn=getattr(module, kernel),
-                                        name=f"{rev}:{kernel}", launches=lambda dt, sw, ls=launches: ls))
+                                        name=f"{rev}:{kernel}", launches=lambda dt, sw, arch, ls=launches: ls))
     return rows
 
 
@@ -276,9 +277,9 @@ def cases(rows, archs=ARCHS, dtypes=None, kernels=None, quick=False):
                 continue
             switches = [row.switches[-1]] if quick else row.switches
             for switch in switches:
-                launches = row.launches(dtype, switch)
-                for launch in launches[:1] if quick else launches:
-                    for arch in archs:
+                for arch in archs:
+                    launches = row.launches(dtype, switch, arch)
+                    for launch in launches[:1] if quick else launches:
                         out.append(Case(row.name, dtype, switch, launch, arch, row))
     return out
 

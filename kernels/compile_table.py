@@ -48,7 +48,7 @@ class KernelRow:
     params: tuple                   # (name, type) in order; "{dt}" the input dtype, "{cdt}" fp32/fp64 statistics
     dtypes: tuple                   # torch dtype names it takes
     switches: tuple                 # dicts of compile-time switch values (one compile each)
-    launches: Callable[[str, dict], list]  # (dtype, switch) -> [Launch], every config the autotuner may pick
+    launches: Callable[[str, dict, int], list]  # (dtype, switch, arch) -> [Launch], what the autotuner may pick
     fixed: dict = field(default_factory=dict)   # constexprs that never change
     ones: tuple = ()                # integer arguments always 1 at launch (unit strides)
     aligned: tuple = ()             # integer arguments assumed to be multiples of 16
@@ -74,11 +74,11 @@ class KernelRow:
 
 def _space(space_of) -> Callable[[str, dict], list]:
     """Launches from a kernel module's config space function (the one its autotuner prunes with)."""
-    def launches(dtype: str, switch: dict) -> list:
+    def launches(dtype: str, switch: dict, arch: int) -> list:
         if "TOPK" in switch:
-            space = space_of(dtype, switch["TOPK"], switch["HAS_BIAS"], switch["COV"])
+            space = space_of(dtype, switch["TOPK"], switch["HAS_BIAS"], switch["COV"], arch)
         else:
-            space = space_of(dtype)
+            space = space_of(dtype, arch=arch)
         return [Launch({"BLOCK_N": bn, "BLOCK_V": bv, "BLOCK_D": bd}, w, st, _lle.MAXNREG)
                 for bn, bv, bd, w, st in space]
     return launches
@@ -133,7 +133,7 @@ KERNELS: tuple[KernelRow, ...] = (
         params=(("adv_ptr", "*{dt}"), ("logp_ptr", "*{dt}"), ("valid_ptr", "*u8"), ("partials_ptr", "*fp64"),
                 ("n_elements", "i32"), ("BLOCK", "constexpr")),
         dtypes=("float32", "bfloat16", "float64"), switches=({},),
-        launches=lambda dt, sw: [Launch({"BLOCK": _cov.BLOCK_SIZE}, 4, 3)],
+        launches=lambda dt, sw, arch: [Launch({"BLOCK": _cov.BLOCK_SIZE}, 4, 3)],
     ),
     KernelRow(
         name="covariance._covariance_keys_kernel", fn=_cov._covariance_keys_kernel,
@@ -142,7 +142,7 @@ KERNELS: tuple[KernelRow, ...] = (
                 ("n_elements", "i32"), ("BLOCK", "constexpr"), ("USE_FP64", "constexpr"),
                 ("WITH_KEYS", "constexpr")),
         dtypes=("float32", "bfloat16", "float64"), switches=_switch_grid(WITH_KEYS=(False, True)),
-        launches=lambda dt, sw: [Launch({"BLOCK": _cov.BLOCK_SIZE}, 4, 3)],
+        launches=lambda dt, sw, arch: [Launch({"BLOCK": _cov.BLOCK_SIZE}, 4, 3)],
         dtype_constexprs=lambda dt: {"USE_FP64": dt == "float64"},
     ),
 )

@@ -80,6 +80,29 @@ def _logits_tile(h_base, w_base, b_base, offs_n, offs_v, n_left, v_left, D, stri
 
 
 @triton.jit
+def _label_logits(h_base, w_ptr, b_ptr, labels, offs_n, n_left, D, stride_hn, stride_hd, stride_wv, stride_wd,
+                  inv_temp, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """fp32 tempered logit of each row's label, (h·W[y] + b[y])/T: [BLOCK_N], a row-wise dot over D of h and
+    the gathered rows W[y] (garbage where the label is out of range: the caller masks it). Run after the
+    vocabulary loop, so neither its pointer tiles nor the labels are live beside the logits tile."""
+    offs_d = tl.arange(0, BLOCK_D)
+    y = tl.maximum(labels, 0).to(tl.int64)
+    h_offs = tl.minimum(offs_n, n_left - 1)[:, None] * stride_hn + offs_d[None, :] * stride_hd
+    w_rows = w_ptr + y[:, None] * stride_wv + offs_d[None, :] * stride_wd
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        dmask = (offs_d < D - d0)[None, :]
+        h = tl.load(h_base + h_offs, mask=dmask, other=0.0).to(tl.float32)
+        w = tl.load(w_rows, mask=dmask, other=0.0).to(tl.float32)
+        acc += tl.sum(h * w, axis=1)
+        h_base += BLOCK_D * stride_hd
+        w_rows += BLOCK_D * stride_wd
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + y).to(tl.float32)
+    return acc * inv_temp
+
+
+@triton.jit
 def _add2(a0, a1, b0, b1):
     return a0 + b0, a1 + b1
 
@@ -95,7 +118,7 @@ def _tile_sums(zc, COV: tl.constexpr):
     so each element's e is consumed where it is formed and no second tile-sized temporary stays live
     (at 128×256 the logits tile alone is 128 registers a thread). zc = −inf gives e = 0 and e·zc = 0."""
     e = tl.exp(zc)
-    ez = tl.where(e > 0.0, e * zc, 0.0)
+    ez = e * tl.maximum(zc, -1.0e30)  # past V zc = −inf and e = 0: 0·(−1e30) = 0, with no mask tile
     if COV:
         e2 = e * e
         s_t, u_t, s2_t, u2_t = tl.reduce((e, ez, e2, ez * e), 1, _add4)
@@ -142,8 +165,6 @@ def _forward_kernel(h_ptr, w_ptr, b_ptr, y_ptr, part_ptr, topv_ptr, topi_ptr,
     n_left = N - row0
     row_mask = offs_n < n_left
     h_base = h_ptr + row0.to(tl.int64) * stride_hn
-    # labels < V < 2^31: the column compare runs in int32 against the tile-local label
-    labels = tl.load(y_ptr + row0.to(tl.int64) + offs_n, mask=row_mask, other=-1).to(tl.int32)
 
     neg_inf = float("-inf")
     m = tl.full((BLOCK_N,), neg_inf, tl.float32)
@@ -151,7 +172,6 @@ def _forward_kernel(h_ptr, w_ptr, b_ptr, y_ptr, part_ptr, topv_ptr, topi_ptr,
     u = tl.zeros((BLOCK_N,), tl.float32)
     s2 = tl.zeros((BLOCK_N,), tl.float32)
     u2 = tl.zeros((BLOCK_N,), tl.float32)
-    zy = tl.full((BLOCK_N,), neg_inf, tl.float32)
     if TOPK > 0:
         slot = tl.arange(0, TOPK_PAD)
         # padding slots hold +inf so they are never the smallest kept value
@@ -166,7 +186,6 @@ def _forward_kernel(h_ptr, w_ptr, b_ptr, y_ptr, part_ptr, topv_ptr, topi_ptr,
                          n_left, v_left, D, stride_hn, stride_hd, stride_wv, stride_wd, inv_temp,
                          HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION)
         z = tl.where((offs_v < v_left)[None, :], z, neg_inf)
-        zy = tl.maximum(zy, tl.max(tl.where(offs_v[None, :] == (labels - v0)[:, None], z, neg_inf), axis=1))
         m_new = tl.maximum(m, tl.max(z, axis=1))
         m_ref = tl.where(m_new == neg_inf, 0.0, m_new)  # a split past V sees no column at all
         scale = tl.exp(m - m_ref)
@@ -182,6 +201,12 @@ def _forward_kernel(h_ptr, w_ptr, b_ptr, y_ptr, part_ptr, topv_ptr, topi_ptr,
         if TOPK > 0:
             top_v, top_i = _insert_topk(zc, m_ref, v0, top_v, top_i, TOPK, TOPK_PAD, BLOCK_V)
 
+    # the label's logit by its own dot after the loop, not a tile-wide compare inside it (registers);
+    # split 0 reports it, the others −inf, so that combining the partials keeps it once
+    labels = tl.load(y_ptr + row0.to(tl.int64) + offs_n, mask=row_mask, other=-1).to(tl.int32)
+    zy = _label_logits(h_base, w_ptr, b_ptr, labels, offs_n, n_left, D, stride_hn, stride_hd, stride_wv, stride_wd,
+                       inv_temp, HAS_BIAS, BLOCK_N, BLOCK_D)
+    zy = tl.where((labels >= 0) & (labels < V) & (pid_s == 0), zy, neg_inf)
     base = part_ptr + pid_s.to(tl.int64) * N + row0
     stride_stat = (pid_s * 0 + SPLITS).to(tl.int64) * N  # SPLITS may arrive as the constant 1
     tl.store(base + offs_n, m, mask=row_mask)
@@ -235,6 +260,7 @@ def _dz_kernel(h_ptr, w_ptr, b_ptr, y_ptr, lse_ptr, ent_ptr, g_ptr, e_ptr, dz_pt
 # config is spill-free on sm_90a and sm_100a for the dtype and switches it is offered to, as compiled
 # by `python -m bench.compile` (bench/results/compile/); 4-warp variants of the same tiles spilled
 # and were pruned. (BLOCK_N, BLOCK_V, BLOCK_D, num_warps, num_stages):
+_FWD_WIDE = ((256, 128, 32, 8, 3), (256, 128, 32, 8, 4))  # log-prob and entropy only (no COV, no top-k)
 _FWD_LARGE = ((128, 128, 32, 8, 4),)
 _FWD_MEDIUM = ((64, 128, 64, 8, 3), (64, 128, 32, 8, 4), (128, 64, 64, 8, 3), (128, 64, 32, 8, 4))
 # fp32 inputs take the exact (FMA, no tensor core) dot: only tiles small enough for its registers
@@ -253,18 +279,22 @@ def _as_configs(space):
                           maxnreg=MAXNREG) for bn, bv, bd, w, st in space]
 
 
-def forward_space(dtype: str, topk: int = 0, bias: bool = False, cov: bool = False) -> tuple:
-    """The forward's configs for an input dtype name and switches. The 128×128 tile spills with the
-    top-k insertion (every arch) and, on sm_100a, with a bias but no covariance sums (8 B), so those
-    calls get the 64×128/128×64 tiles."""
+def forward_space(dtype: str, topk: int = 0, bias: bool = False, cov: bool = False, arch: int = 90) -> tuple:
+    """The forward's configs for an input dtype name, switches and compute capability (``arch``: 80, 90,
+    100). On sm_90a/sm_100a the 256×128 tile is spill-free for log-prob and entropy alone (it spills with
+    the covariance sums or the top-k), and the 128×128 tile unless both of those are on (sm_100a); sm_80's
+    mma path has fewer registers to spare (256×128 spills there, and 128×128 with a bias and the top-k)."""
     if dtype == "float32":
         return _FP32
-    if topk or (bias and not cov):
-        return _FWD_MEDIUM
-    return _FWD_LARGE + _FWD_MEDIUM
+    space = _FWD_MEDIUM
+    if not (cov and topk) and not (arch < 90 and topk and bias):
+        space = _FWD_LARGE + space
+    if not cov and not topk and arch >= 90:
+        space = _FWD_WIDE + space
+    return space
 
 
-def dz_space(dtype: str) -> tuple:
+def dz_space(dtype: str, arch: int = 90) -> tuple:
     return _FP32 if dtype == "float32" else _DZ
 
 
@@ -272,9 +302,18 @@ def _dtype_name(named_args) -> str:
     return str(named_args["h_ptr"].dtype).removeprefix("torch.")
 
 
+def _arch(named_args) -> int:
+    """The launch device's compute capability as 80/90/100 (90 off CUDA: the interpreter)."""
+    device = named_args["h_ptr"].device
+    if device.type != "cuda":
+        return 90
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
+
+
 def _prune_forward(configs, named_args, **kwargs):
     keep = set(forward_space(_dtype_name(named_args), kwargs.get("TOPK", 0), kwargs.get("HAS_BIAS", False),
-                             kwargs.get("COV", False)))
+                             kwargs.get("COV", False), _arch(named_args)))
     return [c for c in configs if _key(c) in keep]
 
 
@@ -288,7 +327,7 @@ def _key(config) -> tuple:
     return kw["BLOCK_N"], kw["BLOCK_V"], kw["BLOCK_D"], config.num_warps, config.num_stages
 
 
-_forward_tuned = triton.autotune(configs=_as_configs(dict.fromkeys(_FWD_LARGE + _FWD_MEDIUM + _FP32)),
+_forward_tuned = triton.autotune(configs=_as_configs(dict.fromkeys(_FWD_WIDE + _FWD_LARGE + _FWD_MEDIUM + _FP32)),
                                  key=["N_BUCKET", "V", "D", "SPLITS"],
                                  prune_configs_by={"early_config_prune": _prune_forward})(_forward_kernel)
 _dz_tuned = triton.autotune(configs=_as_configs(dict.fromkeys(_DZ + _FP32)), key=["N_BUCKET", "V", "D"],

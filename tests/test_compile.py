@@ -45,10 +45,11 @@ def test_table_signature_is_the_kernels_argument_list(row):
     assert [name for name, _ in row.params] == list(row.fn.arg_names)
     for dtype in row.dtypes:
         for switch in row.switches:
-            launches = row.launches(dtype, switch)
-            assert launches, (dtype, switch)
-            if row.name.startswith("linear_logprob_entropy"):
-                assert len(launches) >= 4, (dtype, switch)  # the autotuner keeps a choice
+            for arch in (80, 90, 100):
+                launches = row.launches(dtype, switch, arch)
+                assert launches, (dtype, switch, arch)
+                if row.name.startswith("linear_logprob_entropy"):
+                    assert len(launches) >= 4, (dtype, switch, arch)  # the autotuner keeps a choice
 
 
 def test_parse_ptxas_reads_the_numbers():
