@@ -72,7 +72,7 @@ class KernelRow:
                 if kind.startswith("*") or name in self.aligned}
 
 
-def _space(space_of) -> Callable[[str, dict], list]:
+def _space(space_of) -> Callable[[str, dict, int], list]:
     """Launches from a kernel module's config space function (the one its autotuner prunes with)."""
     def launches(dtype: str, switch: dict, arch: int) -> list:
         if "TOPK" in switch:

@@ -286,7 +286,7 @@ def forward_space(dtype: str, topk: int = 0, bias: bool = False, cov: bool = Fal
     mma path has fewer registers to spare (256×128 spills there, and 128×128 with a bias and the top-k)."""
     if dtype == "float32":
         return _FP32
-    space = _FWD_MEDIUM
+    space: tuple[tuple[int, int, int, int, int], ...] = _FWD_MEDIUM
     if not (cov and topk) and not (arch < 90 and topk and bias):
         space = _FWD_LARGE + space
     if not cov and not topk and arch >= 90:
