@@ -45,10 +45,14 @@ def check_against_reference(hidden, weight, bias, labels, g, e, *, temperature, 
     for name in ("logprob", "entropy", "logsumexp", "vocab_cov"):
         torch.testing.assert_close(getattr(out, name).double(), ref[name].detach(), atol=atol, rtol=rtol,
                                    msg=lambda m, name=name: f"{name}: {m}")
-    torch.testing.assert_close(hidden.grad.double(), leaves[0].grad, atol=atol, rtol=rtol)
-    torch.testing.assert_close(weight.grad.double(), leaves[1].grad, atol=atol, rtol=rtol)
-    if bias is not None:
-        torch.testing.assert_close(bias.grad.double(), bias64.grad, atol=atol, rtol=rtol)
+    # a gradient element is a sum over tokens (dW, db) or the vocabulary (dh): its fp32 rounding grows with the
+    # terms, so atol scales with the gradient's largest element (600 fresh draws at 33×24×1000: the plain
+    # atol was exceeded up to 2.6×, this one used at most 0.29 of its allowance; a wrong gradient is off by O(1))
+    for got, want in ((hidden.grad, leaves[0].grad), (weight.grad, leaves[1].grad),
+                      (None if bias is None else bias.grad, None if bias is None else bias64.grad)):
+        if want is not None:
+            scale = max(1.0, float(want.abs().max()))
+            torch.testing.assert_close(got.double(), want, atol=atol * scale, rtol=rtol)
     valid = labels != IGNORE
     assert torch.all(hidden.grad[~valid] == 0), "ignored rows must get no gradient"
     if topk:
