@@ -295,6 +295,8 @@ def forward_space(dtype: str, topk: int = 0, bias: bool = False, cov: bool = Fal
 
 
 def dz_space(dtype: str, arch: int = 90) -> tuple:
+    """The dZ kernel's configs for an input dtype name: spill-free on every arch (``arch`` is taken so that
+    the compile table calls every space alike)."""
     return _FP32 if dtype == "float32" else _DZ
 
 

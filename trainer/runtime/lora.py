@@ -27,6 +27,11 @@ HEAD = "lm_head"
 ADAPTER = "default"  # peft's adapter name
 
 
+def is_adapter_param(name: str) -> bool:
+    """Whether a parameter (or weight-sync tensor) name belongs to a LoRA adapter (peft's ``lora_A``/``lora_B``)."""
+    return ".lora_" in name
+
+
 def lora_enabled(mcfg) -> bool:
     """Whether a ``model`` config section (or None) asks for adapters."""
     return mcfg is not None and int(getattr(mcfg, "lora_rank", 0) or 0) > 0
@@ -88,7 +93,7 @@ def add_adapters(model: nn.Module, mcfg, compute_dtype: torch.dtype) -> nn.Modul
     except ValueError as exc:
         raise ValueError(f"model.lora_targets: {str(exc).splitlines()[0]}") from None
     for name, p in model.named_parameters():
-        p.requires_grad_(".lora_" in name)
+        p.requires_grad_(is_adapter_param(name))
     if HEAD in mcfg.lora_targets:
         for p in _head(model).parameters():
             p.requires_grad_(True)
@@ -263,7 +268,7 @@ class AdapterSync:
 
         self.adapter = {}
         for name, tensor in iter_named(items):
-            if ".lora_" in name:
+            if is_adapter_param(name):
                 self.adapter[peft_name(name)] = tensor.detach().to("cpu", copy=True).contiguous()
                 continue
             if name in self.quant:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from fastcov.errors import ConfigError
-from fastcov.trainer.runtime.lora import has_adapters, lora_enabled
+from fastcov.trainer.runtime.lora import has_adapters, is_adapter_dir, lora_enabled
 from fastcov.trainer.runtime.precision import param_dtype  # noqa: F401 - re-exported
 
 
@@ -267,7 +267,7 @@ def check_model_source(mcfg, names: tuple[str, str] = ("model.path", "model.toke
         if not p.is_dir():
             raise ConfigError(f"{key}: {value!r} is a file; give the model's directory (with config.json)")
         if value == mcfg.path and not (p / "config.json").is_file():
-            if adapters_ok and (p / "adapter_config.json").is_file():
+            if adapters_ok and is_adapter_dir(p):
                 continue
             also = " or adapter_config.json" if adapters_ok else ""
             raise ConfigError(f"{key}: {value!r} is not a Hugging Face model directory (no config.json{also})")

@@ -50,7 +50,7 @@ class FrozenModel:
     ``lm`` carries them (a frozen base, possibly 4-bit, cannot train in full)."""
 
     def __init__(self, lm: torch.nn.Module, trainable: bool = False, dtype: torch.dtype | None = None):
-        from fastcov.trainer.runtime.lora import has_adapters
+        from fastcov.trainer.runtime.lora import has_adapters, is_adapter_param
         from fastcov.trainer.runtime.model import PolicyModel
 
         adapters = has_adapters(lm)
@@ -59,7 +59,7 @@ class FrozenModel:
             lm = lm.to(dtype)
         lm.config.use_cache = False  # type: ignore[union-attr]  # nn.Module's __getattr__ types it as Tensor
         for name, p in lm.named_parameters():
-            p.requires_grad_(trainable and (not adapters or ".lora_" in name))
+            p.requires_grad_(trainable and (not adapters or is_adapter_param(name)))
         self.model = PolicyModel(lm)
         self.model.train(trainable)
 
@@ -144,7 +144,9 @@ class ImplicitPRM(FrozenModel):
     def _trained_state(self) -> dict[str, torch.Tensor]:
         """What the checkpoint keeps of the PRM: the whole model, or with LoRA its adapters only (the
         frozen base, NF4 or not, is rebuilt identically)."""
-        if len(self.params) == sum(1 for _ in self.model.lm.parameters()):
+        from fastcov.trainer.runtime.lora import has_adapters
+
+        if not has_adapters(self.model.lm):
             return self.model.lm.state_dict()
         return {n: p.detach() for n, p in self.model.lm.named_parameters() if p.requires_grad}
 
@@ -158,10 +160,12 @@ class ImplicitPRM(FrozenModel):
         path = Path(directory) / "prm.pt"
         if not path.is_file():
             raise FileNotFoundError(f"{str(path)!r}: this checkpoint has no PRIME reward model")
+        from fastcov.trainer.runtime.lora import has_adapters
+
         state = torch.load(path, map_location="cpu", weights_only=True)
         want = self._trained_state()
         if set(state["model"]) != set(want):
             raise ValueError(f"{str(path)!r} holds other tensors than this run's reward model "
                              f"({len(state['model'])} against {len(want)}): a LoRA and a full run do not mix")
-        self.model.lm.load_state_dict(state["model"], strict=len(want) == len(self.model.lm.state_dict()))
+        self.model.lm.load_state_dict(state["model"], strict=not has_adapters(self.model.lm))
         self.optimizer.load_state_dict(state["optimizer"])
