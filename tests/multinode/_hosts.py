@@ -100,9 +100,23 @@ class Launch:
         return "".join(f.read_text(errors="replace") for f in files)
 
     def tail(self, n: int = 4000) -> str:
+        """The console's end, then each rank's stderr end, without the deprecation warnings that would
+        otherwise fill it (a rank that dies names its error last, after hundreds of them)."""
         text = self.console.read_text(errors="replace") if self.console.exists() else ""
-        return (f"--- {self.host.hostname} console ---\n{text[-n:]}\n--- rank stderr ---\n"
-                f"{self.rank_log('stderr')[-n:]}")
+        parts = [f"--- {self.host.hostname} console ---\n{text[-n:]}"]
+        for f in sorted(self.log_dir.rglob("stderr.log")):
+            lines = f.read_text(errors="replace").splitlines()
+            kept = "\n".join(ln for i, ln in enumerate(lines) if not _is_warning_noise(lines, i))
+            parts.append(f"--- {f.relative_to(self.log_dir)} ---\n{kept[-n:]}")
+        return "\n".join(parts)
+
+
+def _is_warning_noise(lines: list[str], i: int) -> bool:
+    """A FutureWarning/DeprecationWarning line, or the source line Python prints under one."""
+    if "FutureWarning" in lines[i] or "DeprecationWarning" in lines[i]:
+        return True
+    return i > 0 and ("FutureWarning" in lines[i - 1] or "DeprecationWarning" in lines[i - 1]) \
+        and lines[i].startswith("  ")
 
 
 @dataclass
@@ -127,7 +141,8 @@ class TwoHosts:
                     "-m", "fastcov.cli", "train", "configs/tiny.yaml", "trainer.zero_stage=3", *args]
         env = {k: v for k, v in os.environ.items() if not k.startswith(("FASTCOV_NODE", "MASTER_", "RANK",
                                                                          "WORLD_SIZE", "LOCAL_"))}
-        env.update(GLOO_SOCKET_IFNAME=host.ifname, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        env.update(GLOO_SOCKET_IFNAME=host.ifname, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                   PYTHONFAULTHANDLER="1")  # a rank that aborts prints where its threads were
         return self.spawn(host, torchrun, env, console, log_dir)
 
     def spawn(self, host: Host, argv: list[str], env: dict | None = None, console: Path | None = None,

@@ -7,10 +7,12 @@ the library's one in-place all-reduce.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import re
 import socket
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -47,10 +49,16 @@ def init_distributed(device: torch.device, timeout_s: float = 0.0) -> tuple[int,
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     import deepspeed
 
+    # DeepSpeed's ZeRO calls torch's old collective names; torch warns at each call site again and again
+    # (thousands of lines in a long run's log) about code the user cannot change
+    warnings.filterwarnings("ignore", message=DEEPSPEED_DEPRECATED_COLLECTIVES, category=FutureWarning)
     if not dist.is_initialized():
         extra = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s > 0 else {}
         deepspeed.init_distributed(dist_backend="gloo" if device.type == "cpu" else "nccl",
                                    verbose=False, **extra)
+        # at exit, before the interpreter's teardown (and not sooner: DeepSpeed keeps its groups for the
+        # process's life, so a second run in the same process needs the first one's)
+        atexit.register(shutdown_distributed, barrier=False)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if dist.get_world_size() > 1:
@@ -59,6 +67,8 @@ def init_distributed(device: torch.device, timeout_s: float = 0.0) -> tuple[int,
         PEERS[:] = table
     return dist.get_rank(), dist.get_world_size()
 
+
+DEEPSPEED_DEPRECATED_COLLECTIVES = r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated"
 
 # (host name, address) of every rank, in rank order; filled by init_distributed when world > 1
 PEERS: list[tuple[str, str]] = []
@@ -145,6 +155,19 @@ def all_reduce_(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
 def barrier() -> None:
     if is_distributed():
         dist.barrier()
+
+
+def shutdown_distributed(barrier: bool = True) -> None:
+    """End torch.distributed: (a barrier, then) every process group destroyed. ``init_distributed`` has
+    the interpreter call it, without the barrier, on its way out: a process that exits with its groups
+    alive leaves gloo's threads to the C++ runtime's teardown, which now and then aborts it (SIGABRT,
+    'terminate called without an active exception') after a run that finished; torchrun then calls the
+    run failed, and the peer may hang in its own teardown. No barrier there: a rank that leaves on an
+    error must not wait for peers that never come."""
+    if dist.is_available() and dist.is_initialized():
+        if barrier and dist.get_world_size() > 1:
+            dist.barrier()
+        dist.destroy_process_group()
 
 
 def all_sum(values: list[float], device: torch.device) -> list[float]:
