@@ -1,18 +1,12 @@
 """Helpers for the tests that spawn local gloo processes."""
 
-import socket
+from fastcov.trainer.runtime.distributed import free_port, shutdown_distributed
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["free_port", "shutdown_process_group", "spawn_ranks"]
 
 
 def shutdown_process_group() -> None:
     """Tear the groups down before the worker exits, as ``fastcov train`` does (``shutdown_distributed``)."""
-    from fastcov.trainer.runtime.distributed import shutdown_distributed
-
     shutdown_distributed()
 
 

@@ -19,8 +19,6 @@ pytest.importorskip("deepspeed")
 
 
 def _two_ranks_with_a_subgroup(rank: int, port: int, out_dir: str) -> None:
-    import os
-
     os.environ.update({"DS_ACCELERATOR": "cpu", "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     import torch

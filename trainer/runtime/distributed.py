@@ -36,6 +36,9 @@ def pick_device(choice: str) -> torch.device:
     return torch.device("cpu")
 
 
+DEEPSPEED_DEPRECATED_COLLECTIVES = r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated"
+
+
 def init_distributed(device: torch.device, timeout_s: float = 0.0) -> tuple[int, int]:
     """Start torch.distributed through DeepSpeed (gloo on CPU, nccl on GPU). Returns (rank, world).
 
@@ -58,7 +61,7 @@ def init_distributed(device: torch.device, timeout_s: float = 0.0) -> tuple[int,
                                    verbose=False, **extra)
         # at exit, before the interpreter's teardown (and not sooner: DeepSpeed keeps its groups for the
         # process's life, so a second run in the same process needs the first one's)
-        atexit.register(shutdown_distributed, barrier=False)
+        atexit.register(shutdown_distributed, wait_for_peers=False)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if dist.get_world_size() > 1:
@@ -67,8 +70,6 @@ def init_distributed(device: torch.device, timeout_s: float = 0.0) -> tuple[int,
         PEERS[:] = table
     return dist.get_rank(), dist.get_world_size()
 
-
-DEEPSPEED_DEPRECATED_COLLECTIVES = r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated"
 
 # (host name, address) of every rank, in rank order; filled by init_distributed when world > 1
 PEERS: list[tuple[str, str]] = []
@@ -157,7 +158,7 @@ def barrier() -> None:
         dist.barrier()
 
 
-def shutdown_distributed(barrier: bool = True) -> None:
+def shutdown_distributed(wait_for_peers: bool = True) -> None:
     """End torch.distributed: (a barrier, then) every process group destroyed. ``init_distributed`` has
     the interpreter call it, without the barrier, on its way out: a process that exits with its groups
     alive leaves gloo's threads to the C++ runtime's teardown, which now and then aborts it (SIGABRT,
@@ -165,8 +166,8 @@ def shutdown_distributed(barrier: bool = True) -> None:
     run failed, and the peer may hang in its own teardown. No barrier there: a rank that leaves on an
     error must not wait for peers that never come."""
     if dist.is_available() and dist.is_initialized():
-        if barrier and dist.get_world_size() > 1:
-            dist.barrier()
+        if wait_for_peers:
+            barrier()
         dist.destroy_process_group()
 
 
