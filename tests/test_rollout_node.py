@@ -59,16 +59,22 @@ def _worker(rank: int, world: int, port: int, out_dir: str, per_rank_node: bool)
 
 
 def _reference(calls_by_rank, ranks, seed):
-    """The holder's engine sampling, per call, the node's prompts in rank order with its own generator."""
+    """The holder's engine sampling, per call, the node's prompts in rank order with its own generator, on one
+    thread as the ranks do (with two, a reduction's last bit can differ: the test failed when run alone,
+    and passed in the full suite only because an earlier test had left this process on one thread)."""
     from fastcov.trainer.rollout import HFRolloutEngine, SamplingParams
 
-    engine = HFRolloutEngine(tiny_lm(), [3], 0)
-    gen = torch.Generator().manual_seed(seed)
-    per_call = []
-    for c in range(len(calls_by_rank[ranks[0]])):
-        flat = [p for r in ranks for p in calls_by_rank[r][c]]
-        out = engine.generate(flat, SamplingParams(1.0, 1.0, 12), gen)
-        per_call.append(out)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        engine = HFRolloutEngine(tiny_lm(), [3], 0)
+        gen = torch.Generator().manual_seed(seed)
+        per_call = []
+        for c in range(len(calls_by_rank[ranks[0]])):
+            flat = [p for r in ranks for p in calls_by_rank[r][c]]
+            per_call.append(engine.generate(flat, SamplingParams(1.0, 1.0, 12), gen))
+    finally:
+        torch.set_num_threads(threads)
     return per_call
 
 
