@@ -136,8 +136,6 @@ CLI = [
          r"trainer\.run_dir: .* is a file"),
     Case("resume-and-overwrite", lambda t: ["train", TINY, f"trainer.run_dir={t / 'run'}", "--resume", "--overwrite"],
          r"--resume and --overwrite exclude each other"),
-    Case("resume-from-nothing", lambda t: ["train", TINY, f"trainer.run_dir={t / 'run'}", "--resume"],
-         r"--resume: no checkpoint under .*checkpoints"),
     Case("resume-missing-path", lambda t: ["train", TINY, f"trainer.run_dir={t / 'run'}", f"--resume={t / 'ck'}"],
          r"--resume: .*ck' does not exist"),
     Case("resume-incomplete", lambda t: ["train", TINY, f"trainer.run_dir={t / 'run'}",

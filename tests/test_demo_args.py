@@ -23,8 +23,9 @@ def test_reproducible_cpu_env_pins_avx2_paths_once_and_keeps_user_values():
     assert env == {"PATH": "/bin", **REPRODUCIBLE_CPU_ENV}
     # already re-executed (or set by the user): nothing to do, so there is no loop
     assert reproducible_cpu_env(env, "x86_64", avx2) is None
-    kept = reproducible_cpu_env({"MKL_CBWR": "COMPATIBLE"}, "x86_64", avx2)
-    assert kept["MKL_CBWR"] == "COMPATIBLE" and kept["ATEN_CPU_CAPABILITY"] == "avx2"
+    assert REPRODUCIBLE_CPU_ENV["MKL_CBWR"] == "COMPATIBLE"  # MKL's AVX2 branch exists on Intel CPUs only
+    kept = reproducible_cpu_env({"MKL_CBWR": "AVX512"}, "x86_64", avx2)
+    assert kept["MKL_CBWR"] == "AVX512" and kept["ATEN_CPU_CAPABILITY"] == "avx2"
     assert reproducible_cpu_env({}, "aarch64", set()) is None
     assert reproducible_cpu_env({}, "x86_64", {"sse4_2", "avx"}) is None  # no AVX2 path to pin to
     assert reproducible_cpu_env({"FASTCOV_NATIVE_CPU": "1"}, "x86_64", avx2) is None

@@ -163,10 +163,82 @@ def test_resume_before_the_first_checkpoint_starts_again(tmp_path, train_mod, ca
     shutil.rmtree(run / "final")
     capsys.readouterr()
     train_mod.train(load_config(TINY, [f"trainer.run_dir={run}", *BASE]), resume=True)
-    assert "has no checkpoint yet (the run stopped before its first); it starts again from step 0" in \
+    assert "has no checkpoint yet (the run stopped before its first); it starts from step 0" in \
         capsys.readouterr().out
     assert [r["step"] for r in read_metrics(run)] == [1, 2]
     assert (run / "final" / "config.json").is_file()
+
+
+def test_resume_before_the_run_directory_existed_starts_fresh(tmp_path, train_mod, capsys):
+    """A requeued job runs the same ``--resume`` after a kill before the run created its directory: it starts from
+    step 0 and says so; ``--resume DIR`` naming a checkpoint that is not there still refuses."""
+    from fastcov.trainer.config import load_config
+    from fastcov.trainer.runtime.checkpoint import CheckpointError
+
+    run = tmp_path / "never-started"
+    train_mod.train(load_config(TINY, [f"trainer.run_dir={run}", *BASE]), resume=True)
+    assert "holds no run yet (a first attempt stopped before it started); it starts from step 0" in \
+        capsys.readouterr().out
+    assert [r["step"] for r in read_metrics(run)] == [1, 2]
+    with pytest.raises(CheckpointError, match="does not exist"):
+        train_mod.train(load_config(TINY, [f"trainer.run_dir={tmp_path / 'other'}", *BASE]),
+                        resume=str(tmp_path / "other" / "checkpoints" / "step_000001"))
+
+
+def test_a_build_lock_is_taken_over_only_when_its_holder_is_gone(tmp_path, capsys):
+    """torch's extension builder keeps ``<op>/lock`` open while it builds; a lock nobody holds open (its builder
+    was killed) and older than a moment is removed with one line; a held or a brand-new one is left alone."""
+    import time
+
+    from fastcov.trainer.runtime.extensions import STALE_AFTER_S, take_over_stale_locks
+
+    orphan, held, fresh = (tmp_path / name / "lock" for name in ("orphan_op", "held_op", "fresh_op"))
+    for lock in (orphan, held, fresh):
+        lock.parent.mkdir()
+        lock.touch()
+    old = time.time() - 60
+    os.utime(orphan, (old, old))
+    os.utime(held, (old, old))
+    holder = subprocess.Popen([sys.executable, "-c", "import os, sys, time; fd = os.open(sys.argv[1], os.O_RDONLY); "
+                               "print('open', flush=True); time.sleep(60)", str(held)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "open"
+        assert take_over_stale_locks(tmp_path, now=time.time()) == [orphan]
+    finally:
+        holder.kill()
+        holder.wait()
+    assert not orphan.exists() and held.exists() and fresh.exists()
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"removed the stale build lock {orphan}" in err
+    assert take_over_stale_locks(tmp_path, now=time.time() + STALE_AFTER_S + 1) == [fresh, held]  # holders gone
+
+
+def test_a_kill_during_start_up_never_hangs_the_next_run(tmp_path):
+    """Runs SIGKILLed at moments through their start-up (imports, DeepSpeed and gloo, the model, the first rollout),
+    with build locks a killed builder left in the extensions folder: the next ``--resume`` trains, in bounded time."""
+    import random
+    import time
+
+    env = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                                                 "MASTER_ADDR", "MASTER_PORT")},
+           "DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
+    for op in ("deepspeed_shm_comm", "cpu_adam"):  # what a builder killed mid-build leaves
+        (tmp_path / "ext" / op).mkdir(parents=True)
+        (tmp_path / "ext" / op / "lock").touch()
+        os.utime(tmp_path / "ext" / op / "lock", (time.time() - 60, time.time() - 60))
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "fastcov.cli", *_cli(run, "trainer.max_steps=1"), "--resume"]
+    rng = random.Random(os.getpid())
+    for delay in sorted(rng.uniform(0.2, 8.0) for _ in range(3)):
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(run)] == [1]
+    assert not list((tmp_path / "ext").glob("*/lock"))
 
 
 def test_a_checkpoint_is_written_by_wall_time(tmp_path, train_mod, monkeypatch):

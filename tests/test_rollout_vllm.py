@@ -96,6 +96,24 @@ def test_version_adapter_moves_the_packed_geometry_at_0_28():
         assert "packed" not in other, v
 
 
+def test_cpu_attention_head_dim_is_checked_before_the_engine_starts(monkeypatch):
+    """vLLM's CPU build fails at the first rollout on head_dim 16 (tiny.yaml), after its engine started: the
+    factory refuses it first, in one line naming model.arch and the sizes that work; CUDA is not checked."""
+    from fastcov.errors import ConfigError
+
+    _fake_vllm(monkeypatch, "0.32.0", platform="cpu")
+    monkeypatch.setitem(sys.modules, "vllm.v1.attention.backends.cpu_attn", None)  # the fallback list
+    tiny = NS(hidden_size=32, num_attention_heads=2, head_dim=None)
+    with pytest.raises(ConfigError, match=r"^model.arch: head_dim 16 \(hidden_size 32 / 2 heads\) is not one "
+                                          r"vLLM's CPU attention takes; it takes 32, 64, .*512 \(e.g. "
+                                          r"model.arch.hidden_size=128 for 64\)$"):
+        vllm_factory.colocated_platform(torch.device("cpu"), tiny)
+    assert vllm_factory.colocated_platform(torch.device("cpu"), NS(hidden_size=128, num_attention_heads=2)) is False
+    assert vllm_factory.model_head_dim(NS(hidden_size=32, num_attention_heads=2, head_dim=64)) == 64
+    _fake_vllm(monkeypatch, "0.32.0", platform="cuda")
+    assert vllm_factory.colocated_platform(torch.device("cuda", 0), tiny) is True
+
+
 def test_colocated_factory_refuses_cpu_and_bad_tp(monkeypatch):
     from fastcov.trainer.config import load_config
 
@@ -673,7 +691,8 @@ def test_colocated_on_vllms_cpu_platform_stays_awake_and_says_so_once(monkeypatc
     monkeypatch.setattr(vllm_factory, "_SAID", set())
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     cfg = load_config(ROOT / "configs" / "tiny.yaml", ["rollout.engine=vllm", f"trainer.run_dir={tmp_path}"])
-    lm = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+    # head_dim 64: vLLM's CPU attention refuses 16 (test_cpu_attention_head_dim_is_checked_before_the_engine_starts)
+    lm = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=128, intermediate_size=64, num_hidden_layers=1,
                                       num_attention_heads=2, num_key_value_heads=1))
     for _ in range(2):
         eng = rv.make_vllm_engine(cfg, lm, NS(eos_token_id=2), device=torch.device("cpu"))

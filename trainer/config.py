@@ -102,9 +102,8 @@ class RolloutConfig:
     # How sampling is seeded. batch: one generator per rank (or per node copy) draws for its whole batch,
     # so the samples depend on which rank samples which prompt; per_sample: each response from its own
     # generator, seeded by (trainer.seed, step, global prompt index, sample index) (vLLM: the request's
-    # seed), the same samples on any number of hosts and ranks. The default becomes per_sample once the
-    # demo and studies are re-run under it (docs/trainer.md, "Seeding").
-    seeding: Literal["batch", "per_sample"] = "batch"
+    # seed), the same samples on any number of hosts and ranks (docs/trainer.md, "Seeding").
+    seeding: Literal["batch", "per_sample"] = "per_sample"
     # Weight sync policy -> rollout engine in buckets of this many MiB (any engine; 0 = per tensor).
     sync_bucket_mb: float = 64.0
     # vLLM only. colocated: a vLLM engine inside the training job sharing its GPUs (sleep/wake_up);

@@ -41,4 +41,10 @@ def test_colocated_vllm_serves_the_adapters_and_takes_only_them_after_the_first_
     assert res["to_base"]["mean"] > 20 * res["parity"]["mean"]
     assert res["to_stale"]["mean"] > 5 * res["parity_after"]["mean"]
     if quant == "none":
-        assert res["greedy_equal"] == res["prompts"]  # the same greedy tokens as transformers
+        # the same greedy tokens as transformers, except where transformers' own top-2 margin is a near-tie
+        for key in ("greedy", "greedy_after"):
+            g = res[key]
+            assert g["differ"] == 0 and g["equal"] + g["near_tie"] == res["prompts"], (key, g)
+            assert g["equal"] >= res["prompts"] // 2, (key, g)  # near-ties are the exception
+            if g["near_tie"]:
+                print(f"{key}: {g['near_tie']} of {res['prompts']} prompts first differ at a near-tie: {g['details']}")

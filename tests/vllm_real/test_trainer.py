@@ -29,6 +29,7 @@ def train(run_dir: Path, steps: int, extra: list[str], resume: bool = False) -> 
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
                           env={**os.environ, "DS_ACCELERATOR": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-4000:]  # vLLM's teardown at exit included
     return proc.stdout + proc.stderr
 
 
@@ -66,3 +67,16 @@ def test_fastcov_train_on_vllm_then_resume(mode, tmp_path):
         assert proc.stopped_cleanly
     assert "resumed from" in log and "step_000002" in log
     check_metrics(run_dir, 3)
+
+
+def test_a_head_size_vllms_cpu_build_lacks_is_one_line_before_the_engine_starts(tmp_path):
+    """tiny.yaml as it is (head_dim 16): one line naming model.arch and the sizes that work, exit 2, nothing after
+    it, and no vLLM engine started (its start-up log never appears)."""
+    cmd = [sys.executable, "-m", "fastcov.cli", "train", str(ROOT / "configs" / "tiny.yaml"), "rollout.engine=vllm",
+           f"trainer.run_dir={tmp_path / 'run'}", "trainer.max_steps=1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert proc.returncode == 2, proc.stderr[-4000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("fastcov train: model.arch: head_dim 16 (hidden_size 32 / 2 heads) is not one vLLM's CPU "
+                           "attention takes; it takes 32, 64"), proc.stderr[-4000:]
+    assert "Traceback" not in proc.stderr and "init engine" not in proc.stderr, proc.stderr[-4000:]

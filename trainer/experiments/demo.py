@@ -31,11 +31,26 @@ from fastcov.trainer.experiments.configs import shipped_config
 
 ALGOS = {"grpo": "vanilla", "clip_cov": "clip_cov", "kl_cov": "kl_cov"}
 
-# MKL, ATen's vectorized kernels and oneDNN each pick a code path by the CPU's vector width (AVX-512 on
-# many Intel CPUs, AVX2 on AMD's), the paths round differently, and RL turns a last-bit difference into a
-# different run. Pinned to the AVX2 paths (MKL_CBWR is MKL's conditional numerical reproducibility), one
-# seed should give the same numbers on any x86-64 CPU with AVX2. Values the user already set are kept.
-REPRODUCIBLE_CPU_ENV = {"MKL_CBWR": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+# MKL, ATen's vectorized kernels and oneDNN each pick a code path by the CPU's vector width (AVX-512 and AMX
+# on many Intel CPUs, AVX2 on AMD's), the paths round differently, and RL turns a last-bit difference into
+# a different run. ATen and oneDNN are pinned to their AVX2 paths. MKL (torch's fp32 GEMM) is pinned to its
+# COMPATIBLE branch, the one MKL keeps the same on every x86-64 CPU: its AVX2 branch exists on Intel CPUs
+# only, and elsewhere MKL silently falls back to its own dispatch (docs/reproducibility.md: with MKL_CBWR=AVX2
+# the warm start differed between an AMD EPYC and an Intel Xeon; COMPATIBLE costs the demo ~20 s of GEMM
+# time in its warm start). Values the user already set are kept.
+REPRODUCIBLE_CPU_ENV = {"MKL_CBWR": "COMPATIBLE", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+def cpu_model() -> str:
+    """The CPU's model name as the kernel reports it (/proc/cpuinfo), or the platform's processor string."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        name = ""
+    return name or platform.processor() or platform.machine()
 
 
 def reproducible_cpu_env(environ: dict[str, str], machine: str, cpu_flags: set[str]) -> dict[str, str] | None:
@@ -352,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     if not torch.cuda.is_available():
-        print(f"[demo] CPU code paths: ATen {torch.backends.cpu.get_cpu_capability()}, "
+        print(f"[demo] CPU: {cpu_model()}; code paths: ATen {torch.backends.cpu.get_cpu_capability()}, "
               f"MKL_CBWR={os.environ.get('MKL_CBWR', 'unset')}, {args.threads} thread(s) per run")
     from fastcov.trainer.config import ConfigError, load_config
     from fastcov.trainer.experiments.report import write_report

@@ -230,6 +230,12 @@ class VLLMColocatedEngine(RolloutEngine):
         self.stats.update(sync_s=time.perf_counter() - t0, sync_bytes=float(nbytes))
 
     def close(self) -> None:
-        self.llm = None
+        """End the vLLM engine: its executor and its own process groups (vLLM's teardown also destroys the default
+        group, so this runs at exit, through ``runtime.distributed.before_shutdown``, not between two runs of one
+        process). Without it vLLM's finalizer runs after fastcov destroyed the groups and prints a traceback."""
+        llm, self.llm = self.llm, None
+        client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        if client is not None:
+            client.shutdown()
 
 

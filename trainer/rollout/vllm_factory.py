@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import logging
 import os
 import sys
 from pathlib import Path
@@ -17,11 +18,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from fastcov.errors import ConfigError
 from fastcov.trainer.rollout.base import ROLLOUT_ENGINES, RolloutEngine
 from fastcov.trainer.rollout.vllm_api import LOCAL_BACKEND, LOGPROBS_MODE, VLLMApi, import_vllm
 from fastcov.trainer.rollout.vllm_colocated import VLLMColocatedEngine, register_local_backend
 from fastcov.trainer.rollout.vllm_server import VLLMServerEngine, transfer_backend
 from fastcov.trainer.rollout.vllm_wire import derived_buffer_names, dtype_name
+from fastcov.trainer.runtime.distributed import before_shutdown
 from fastcov.trainer.runtime.lora import AdapterSync, has_adapters, smallest_rank_at_least
 from fastcov.trainer.runtime.weight_buckets import bucket_bytes_from_mb, iter_buckets
 
@@ -58,14 +61,46 @@ def say_once(msg: str) -> None:
         print(f"[fastcov] {msg}", file=sys.stderr, flush=True)
 
 
-def colocated_platform(device: torch.device) -> bool:
-    """Whether vLLM's platform can host a colocated engine on ``device`` (raises the one-line error if not);
-    returns whether it has sleep mode."""
+# vLLM's CPU attention kernels, where its backend class cannot be read (vLLM 0.32's CPUAttentionBackend)
+CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def model_head_dim(config) -> int:
+    """The attention head size of an HF ``config``: its ``head_dim`` where set, else hidden / heads."""
+    head_dim = getattr(config, "head_dim", None)
+    return int(head_dim) if head_dim else int(config.hidden_size) // int(config.num_attention_heads)
+
+
+def cpu_head_dims() -> tuple[int, ...]:
+    """The head sizes vLLM's CPU attention backend takes, from the installed vLLM where it says."""
+    try:
+        backend = importlib.import_module("vllm.v1.attention.backends.cpu_attn").CPUAttentionBackend
+        return tuple(int(d) for d in backend.get_supported_head_sizes())
+    except (ImportError, AttributeError):
+        return CPU_HEAD_DIMS
+
+
+def check_cpu_attention(config) -> None:
+    """vLLM's CPU build fails at the first rollout on a head size its kernels lack, after the engine started
+    (20 s on a small model): the same check first, in one line naming model.arch."""
+    head_dim, dims = model_head_dim(config), cpu_head_dims()
+    if head_dim not in dims:
+        raise ConfigError(f"model.arch: head_dim {head_dim} (hidden_size {config.hidden_size} / "
+                         f"{config.num_attention_heads} heads) is not one vLLM's CPU attention takes; it takes "
+                         f"{', '.join(map(str, dims))} (e.g. model.arch.hidden_size="
+                         f"{64 * int(config.num_attention_heads)} for 64)")
+
+
+def colocated_platform(device: torch.device, config=None) -> bool:
+    """Whether vLLM's platform can host a colocated engine on ``device`` for a model of HF ``config`` (raises the
+    one-line error if not); returns whether it has sleep mode."""
     current_platform = importlib.import_module("vllm.platforms").current_platform  # resolved lazily by vLLM
     if not (device.type == "cuda" or (device.type == "cpu" and current_platform.is_cpu())):
-        raise ValueError(f"rollout.vllm_mode: colocated vLLM needs CUDA training ranks, or CPU ranks with vLLM's "
+        raise ConfigError(f"rollout.vllm_mode: colocated vLLM needs CUDA training ranks, or CPU ranks with vLLM's "
                          f"CPU build (trainer.device is {device.type}, vLLM's platform "
                          f"{type(current_platform).__name__})")
+    if current_platform.is_cpu() and config is not None:
+        check_cpu_attention(config)
     sleep = bool(current_platform.is_sleep_mode_available())
     if not sleep:
         say_once(f"vLLM on {device.type} has no sleep mode (CUDA only): the colocated engine stays awake, "
@@ -73,6 +108,19 @@ def colocated_platform(device: torch.device) -> bool:
     if current_platform.is_cpu():
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KV_GIB)
     return sleep
+
+
+class _NoChatTemplateWarmup(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != "Chat template warmup failed"
+
+
+def quiet_chat_template_warmup() -> None:
+    """fastcov hands vLLM token ids (``skip_tokenizer_init``), so the chat-template warm-up of vLLM's ``LLM`` (0.3x)
+    has no tokenizer and logs a traceback as a warning at every start: dropped, nothing else of that logger."""
+    logger = logging.getLogger("vllm.renderers.base")
+    if not any(isinstance(f, _NoChatTemplateWarmup) for f in logger.filters):
+        logger.addFilter(_NoChatTemplateWarmup())
 
 
 def write_model_dir(cfg, model, rank: int) -> Path:
@@ -92,7 +140,7 @@ def make_colocated(cfg, model, eos: list[int], device: torch.device, rank: int, 
     t = r.vllm_tensor_parallel_size
     if world % t:
         raise ValueError(f"rollout.vllm_tensor_parallel_size: {t} does not divide the {world} training ranks")
-    sleep = colocated_platform(device)
+    sleep = colocated_platform(device, getattr(model, "config", None))
     group = None
     if t > 1:
         group, _ = dist.new_subgroups(group_size=t)  # ranks [k*t, (k+1)*t): vLLM's TP groups
@@ -100,6 +148,7 @@ def make_colocated(cfg, model, eos: list[int], device: torch.device, rank: int, 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine (and worker) in this process
     register_local_backend()
     lora = AdapterSync(model, model_dir / "lora") if has_adapters(model) else None
+    quiet_chat_template_warmup()
     llm = vllm.LLM(**colocated_llm_kwargs(cfg, str(model_dir), sleep=sleep, lora_rank=lora.rank if lora else 0))
     bucket_bytes = bucket_bytes_from_mb(r.sync_bucket_mb)
     refresh = None
@@ -109,9 +158,11 @@ def make_colocated(cfg, model, eos: list[int], device: torch.device, rank: int, 
         def refresh():
             return iter_buckets(named, bucket_bytes)
 
-    return VLLMColocatedEngine(llm, vllm, eos, device, tp=t, group=group, dtype=rollout_dtype(cfg),
-                               bucket_bytes=bucket_bytes, refresh=refresh, sleep=sleep,
-                               skip=derived_buffer_names(model), lora=lora)
+    engine = VLLMColocatedEngine(llm, vllm, eos, device, tp=t, group=group, dtype=rollout_dtype(cfg),
+                                 bucket_bytes=bucket_bytes, refresh=refresh, sleep=sleep,
+                                 skip=derived_buffer_names(model), lora=lora)
+    before_shutdown(engine.close)  # vLLM's groups end before fastcov destroys the default one, at exit
+    return engine
 
 
 @ROLLOUT_ENGINES.register("vllm")

@@ -12,12 +12,15 @@ import datetime
 import os
 import re
 import socket
+import sys
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from fastcov.selection import all_reduce_sum
+from fastcov.trainer.runtime.extensions import skip_shm_comm_op, take_over_stale_locks
 
 
 def free_port() -> int:
@@ -56,6 +59,9 @@ def init_distributed(device: torch.device, timeout_s: float = 0.0) -> tuple[int,
     # (thousands of lines in a long run's log) about code the user cannot change
     warnings.filterwarnings("ignore", message=DEEPSPEED_DEPRECATED_COLLECTIVES, category=FutureWarning)
     if not dist.is_initialized():
+        take_over_stale_locks()
+        if device.type == "cpu":
+            skip_shm_comm_op()  # gloo does the work; its JIT load is what a kill during start-up leaves locked
         extra = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s > 0 else {}
         deepspeed.init_distributed(dist_backend="gloo" if device.type == "cpu" else "nccl",
                                    verbose=False, **extra)
@@ -158,13 +164,31 @@ def barrier() -> None:
         dist.barrier()
 
 
+# Called by shutdown_distributed before it destroys the groups, newest first: what holds groups of its own on top of
+# torch.distributed (a colocated vLLM engine) ends them while the default group is still alive.
+_BEFORE_SHUTDOWN: list[Callable[[], None]] = []
+
+
+def before_shutdown(fn: Callable[[], None]) -> None:
+    """Have ``shutdown_distributed`` (and so the process's exit) call ``fn`` before the groups are destroyed."""
+    _BEFORE_SHUTDOWN.append(fn)
+
+
 def shutdown_distributed(wait_for_peers: bool = True) -> None:
     """End torch.distributed: (a barrier, then) every process group destroyed. ``init_distributed`` has
     the interpreter call it, without the barrier, on its way out: a process that exits with its groups
     alive leaves gloo's threads to the C++ runtime's teardown, which now and then aborts it (SIGABRT,
     'terminate called without an active exception') after a run that finished; torchrun then calls the
     run failed, and the peer may hang in its own teardown. No barrier there: a rank that leaves on an
-    error must not wait for peers that never come."""
+    error must not wait for peers that never come. The ``before_shutdown`` hooks run first; one that fails
+    says so in one line and the shutdown goes on."""
+    while _BEFORE_SHUTDOWN:
+        fn = _BEFORE_SHUTDOWN.pop()
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - the exit goes on; the next hook and the groups still end
+            print(f"[fastcov] at exit: {getattr(fn, '__qualname__', fn)} failed: {type(exc).__name__}: {exc}",
+                  file=sys.stderr)
     if dist.is_available() and dist.is_initialized():
         if wait_for_peers:
             barrier()

@@ -69,6 +69,10 @@ class DeepSpeedPolicy:
         if cfg.trainer.offload_optimizer:  # the host-side step: DeepSpeed's vectorised CPU AdamW
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
+            from fastcov.trainer.runtime.extensions import take_over_stale_locks
+
+            take_over_stale_locks()  # its JIT build waits for ever on a lock a killed run left
+
             optimizer = DeepSpeedCPUAdam(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
                                          weight_decay=o.weight_decay, adamw_mode=True)
         else:

@@ -155,9 +155,10 @@ def check_run_dir(run_dir: Path, resume, overwrite: bool, rank: int) -> Path | N
     """What a run may do with ``run_dir``, decided before anything is written (every rank calls it).
 
     Fresh run: the directory must be absent or hold no earlier run, unless ``overwrite`` (the old one
-    is then moved aside, never deleted: ``prepare_run_dir``). ``resume``: True for the newest checkpoint,
-    or a checkpoint directory; it must exist and read back. Returns the checkpoint to resume from, or None
-    when a run that was stopped before its first checkpoint starts again from step 0 (said on rank 0).
+    is then moved aside, never deleted: ``prepare_run_dir``). ``resume``: True for the newest checkpoint, or
+    a checkpoint directory, which must exist and read back. Returns the checkpoint to resume from, or None
+    when ``resume`` is True and there is none yet (a run stopped before its first checkpoint, or before it
+    created ``run_dir``): it starts from step 0, said on rank 0.
     Raises CheckpointError / ConfigError (user errors, one line each).
     """
     if resume and overwrite:
@@ -168,14 +169,16 @@ def check_run_dir(run_dir: Path, resume, overwrite: bool, rank: int) -> Path | N
     if resume:
         ckpt_root = checkpoints_dir(run_dir)
         path = latest_checkpoint(ckpt_root) if resume is True else Path(resume)
-        if path is None and resume is True and _holds_a_run(run_dir):
+        if path is None and resume is True:
+            # a requeued job runs the same `--resume` each time, also after a kill before the first checkpoint
+            # or before the run directory existed (verl's resume_mode: auto)
             if rank == 0:
-                print(f"[fastcov] --resume: {str(run_dir)!r} has no checkpoint yet (the run stopped before its "
-                      "first); it starts again from step 0", flush=True)
+                why = ("has no checkpoint yet (the run stopped before its first)" if _holds_a_run(run_dir)
+                       else "holds no run yet (a first attempt stopped before it started)")
+                print(f"[fastcov] --resume: {str(run_dir)!r} {why}; it starts from step 0", flush=True)
             return None
         if path is None:
-            raise CheckpointError(f"--resume: no checkpoint under {str(ckpt_root)!r}; start the run without "
-                                  "--resume (add --overwrite if the directory is not empty)")
+            raise CheckpointError(f"--resume: no checkpoint under {str(ckpt_root)!r}")
         check_checkpoint(path, rank)
         return path
     if run_dir.is_dir() and not overwrite:

@@ -1,0 +1,90 @@
+"""DeepSpeed's JIT-built C++ ops and the lock torch's extension builder holds while it builds or checks one.
+
+torch's builder (``torch.utils.cpp_extension.load``, which DeepSpeed's op builders call) creates
+``<TORCH_EXTENSIONS_DIR>/<op>/lock`` with O_EXCL, keeps it open while it builds or checks the op, and removes it
+when done. A process killed in between (SIGKILL from a scheduler's preemption or the OOM killer) leaves the file,
+and every later load sleeps on it with no output, for ever. Two rules here:
+
+* ``skip_shm_comm_op``: on CPU the trainer's collectives go through gloo; DeepSpeed's shared-memory op
+  (``deepspeed_shm_comm``) only serves its inference all-reduce, so it is not loaded at all;
+* ``take_over_stale_locks``: before an op is loaded (DeepSpeed's CPU Adam under ``trainer.offload_optimizer``),
+  a lock that no live process holds open is removed, with one line naming it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+SHM_COMM_OP = "deepspeed_shm_comm"
+# a lock younger than this may be one whose creator is between its os.open and our look at /proc
+STALE_AFTER_S = 2.0
+
+
+def skip_shm_comm_op() -> None:
+    """Keep DeepSpeed from JIT-loading its shared-memory collectives when ``deepspeed.init_distributed`` starts
+    gloo: nothing in training calls them, and their load is the start-up step that a kill can leave locked."""
+    import deepspeed.ops
+
+    compatible = deepspeed.ops.__compatible_ops__  # probed once per process; DeepSpeed reads this same dict
+    compatible[SHM_COMM_OP] = False
+
+
+def extensions_root() -> Path:
+    """The folder torch builds extensions in (``TORCH_EXTENSIONS_DIR``, else its per-Python, per-accelerator
+    default under the user's cache)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return Path(_get_build_directory("_", verbose=False)).parent
+
+
+def lock_holders(path: Path) -> list[int]:
+    """PIDs of the processes with ``path`` open (Linux: read from /proc/*/fd); [] when none or when /proc is not
+    readable."""
+    target, pids = str(path.resolve()), []
+    proc = Path("/proc")
+    for entry in proc.iterdir() if proc.is_dir() else ():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fds = list((entry / "fd").iterdir())
+        except OSError:  # gone, or not ours to read
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(fd) == target:
+                    pids.append(int(entry.name))
+                    break
+            except OSError:
+                continue
+    return pids
+
+
+def take_over_stale_locks(root: Path | None = None, now: float | None = None) -> list[Path]:
+    """Remove every ``<root>/<op>/lock`` that no live process holds open and that is older than STALE_AFTER_S;
+    says so in one line per lock. Returns the locks removed. Does nothing where /proc cannot tell (not Linux)."""
+    if not Path("/proc/self/fd").is_dir():
+        return []
+    root = extensions_root() if root is None else root
+    now = time.time() if now is None else now
+    removed = []
+    for lock in sorted(root.glob("*/lock")) if root.is_dir() else ():
+        try:
+            stat = lock.stat()
+        except FileNotFoundError:
+            continue
+        if now - stat.st_mtime < STALE_AFTER_S or lock_holders(lock):
+            continue
+        try:
+            if lock.stat().st_ino != stat.st_ino:  # released and taken again meanwhile
+                continue
+            lock.unlink()
+        except FileNotFoundError:
+            continue
+        age = now - stat.st_mtime
+        print(f"[fastcov] removed the stale build lock {lock} (left {age:.0f}s ago by a process that is gone, "
+              "e.g. a run killed during start-up)", file=sys.stderr, flush=True)
+        removed.append(lock)
+    return removed
