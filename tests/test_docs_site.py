@@ -100,6 +100,7 @@ def test_the_version_is_written_once_and_has_a_changelog_entry():
     assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "fastcov.__version__"}
     changelog = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
     assert re.search(rf"^## {re.escape(fastcov.__version__)} ", changelog, re.M), "no changelog section for it"
+    assert f"Version {fastcov.__version__} " in (ROOT / "README.md").read_text(encoding="utf-8")
 
 
 def test_the_api_reference_documents_every_exported_name():
