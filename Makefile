@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo study study-selection lint test test-fast test-multinode test-verl test-vllm test-vllm-api bench compile-report clean
+.PHONY: demo study study-selection lint docs docs-serve test test-fast test-multinode test-verl test-vllm test-vllm-api bench compile-report clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,21 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) tests/typecheck.py
+
+# The documentation site (mkdocs.yml, docs/): the README as home page, the guides, the API reference from the
+# docstrings (read from the source, not imported: only requirements/docs.txt is installed, about 10 s).
+# Strict: a broken link or anchor, a page missing from the nav or a docstring griffe cannot parse fails it.
+DOCS_STAMP := $(VENV)/.docs-installed
+
+$(DOCS_STAMP): $(PY) requirements/docs.txt
+	$(PY) -m pip install -q -r requirements/docs.txt
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --clean
+
+docs-serve: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve
 
 # The development loop: everything but the tests marked slow (multi-process and end-to-end runs).
 test-fast: $(STAMP)
@@ -115,4 +130,4 @@ study-selection: $(STAMP)
 	$(PY) -m fastcov.trainer.study configs/studies/selection.yaml --jobs $(STUDY_JOBS) $(STUDY_ARGS)
 
 clean:
-	rm -rf $(VENV) $(VERL_VENV) $(VLLM_VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VERL_VENV) $(VLLM_VENV) build site *.egg-info .pytest_cache

@@ -31,7 +31,8 @@ from fastcov.ops import LogprobEntropy, linear_logprob_entropy, logprob_entropy_
 from fastcov.schedules import PositiveWeightSchedule
 from fastcov.selection import select_random_in_band, select_top_covariance
 
-__version__ = "0.1.0"
+# The one place the version is written (pyproject.toml reads it); semantic versioning, CHANGELOG.md.
+__version__ = "0.4.0"
 
 __all__ = [
     "LogprobEntropy",

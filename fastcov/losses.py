@@ -454,7 +454,10 @@ def compute_global_selection(
     ranks' mini-batches (every rank must call it, with the same ``mode`` and ``config``).
 
     Args:
-        logprob, old_logprob, advantages: floating [B, T]; mask: [B, T] (nonzero = valid).
+        logprob: floating [B, T].
+        old_logprob: floating [B, T].
+        advantages: floating [B, T].
+        mask: [B, T] (nonzero = valid).
         entropy: [B, T], needed when ``config.high_entropy_fraction`` is set.
         vocab_cov: [B, T] κ, needed when ``config.cov_score == "vocab"``.
         generator: seed source for Clip-Cov (group rank 0's draw is broadcast).

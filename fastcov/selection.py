@@ -294,7 +294,8 @@ def select_random_in_band(
         scores: floating tensor, any shape. Must not contain NaN.
         mask: same shape; nonzero/True marks valid tokens (n_valid counts these, not the candidates).
         ratio: fraction in (0, 1].
-        lb, ub: open band, lb < ub.
+        lb: the open band's lower end, lb < ub.
+        ub: the open band's upper end.
         exclude: optional bool tensor, same shape (Clip-Cov passes the tokens PPO already clipped).
         generator: source of the seed of the random keys (default: torch's default generator).
             With a group only group rank 0's draw is used (broadcast).
