@@ -18,7 +18,7 @@ set -uo pipefail
 START=$(date +%s)
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT" || exit 2
-REHEARSE=0 BUDGET="" OUTDIR="${OUT:-}" WHEELS=.whl PARTS=all PY="${PYTHON:-python3}"
+REHEARSE=0 BUDGET="" OUTDIR="${OUT:-}" WHEELS=.whl PARTS=all PY="${PYTHON:-python3}" SITE="${GPU_RUN_SITE:-/tmp/site}"
 PASS=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -37,6 +37,7 @@ OUTDIR="${OUTDIR:-runs/gpu-run}"
 mkdir -p "$OUTDIR" || { echo "gpu_run: cannot create the output folder $OUTDIR"; exit 2; }
 OUTDIR=$(cd "$OUTDIR" && pwd)
 exec > >(tee -a "$OUTDIR/run.log") 2>&1
+TEE=$!
 SETUP=$(mktemp "${TMPDIR:-/tmp}/gpu-run-setup.XXXXXX")
 FAILED=0
 
@@ -70,14 +71,14 @@ if [ $REHEARSE = 1 ]; then
   step ok "install" "skipped in the rehearsal (this environment's own install)"
 else
   if [ -z "$missing" ] && ls "$WHEELS"/*.whl >/dev/null 2>&1; then
-    if log=$("$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    if log=$("$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
              "$WHEELS"/*.whl 2>&1); then
-      step ok "install wheels" "into /tmp/site"
+      step ok "install wheels" "into $SITE"
     else
       step error "install wheels" "pip failed: $(echo "$log" | tail -n 1)"
     fi
   fi
-  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+  export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
   if log=$("$PY" -m pip install -q --no-deps --no-build-isolation -e . 2>&1); then
     step ok "install fastcov" "pip install -e ."
   else
@@ -142,4 +143,6 @@ rm -f "$SETUP"
 [ $rc = 0 ] && [ $FAILED = 1 ] && rc=1
 files=$(find "$OUTDIR" -type f | wc -l)
 echo "gpu_run: exit $rc after $(( $(date +%s) - START )) s; $files files under $OUTDIR: $(cd "$OUTDIR" && ls | tr '\n' ' ')"
+exec >&- 2>&-
+wait "$TEE" 2>/dev/null  # run.log complete before the call returns $OUT
 exit $rc
