@@ -40,9 +40,23 @@ TOLERANCES = {"logprob_max_abs": 1e-2, "entropy_max_abs": 1e-2, "dhidden_max_rel
               "dweight_max_rel": 1e-2, "dbias_max_rel": 1e-2}
 
 
+class Fatal(SystemExit):
+    """Exit ``code`` with a one-line message: the CLI prints it; a caller that catches it (bench/gpu_suite.py)
+    records ``message`` rather than only the exit status."""
+
+    def __init__(self, message: str, code: int = 2):
+        super().__init__(code)
+        self.message = message
+
+
 def die(msg: str, code: int = 2) -> None:
     print(f"bench/correctness_gpu.py: {msg}", file=sys.stderr)
-    sys.exit(code)
+    raise Fatal(msg, code)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def make_case(n, d, v, dtype, seed, with_bias, ignore_frac, peaked_rows, device):
@@ -147,7 +161,7 @@ def run_impl(impl, hidden, weight, bias, labels, temperature, up_g, up_e):
     h = hidden.detach().clone().requires_grad_(True)
     w = weight.detach().clone().requires_grad_(True)
     b = None if bias is None else bias.detach().clone().requires_grad_(True)
-    torch.cuda.synchronize()
+    _sync()
     t0 = time.perf_counter()
     if impl == "naive":
         lp, ent = naive_forward(h, w, b, labels, temperature)
@@ -159,7 +173,7 @@ def run_impl(impl, hidden, weight, bias, labels, temperature, up_g, up_e):
         lp, ent = out.logprob, out.entropy
     loss = (up_g * lp.float()).sum() + (up_e * ent.float()).sum()
     grads = torch.autograd.grad(loss, [x for x in (h, w, b) if x is not None])
-    torch.cuda.synchronize()
+    _sync()
     secs = time.perf_counter() - t0
     dh, dw = grads[0], grads[1]
     db = grads[2] if b is not None else None
@@ -242,7 +256,7 @@ def build_case(args, ci: int, temperature: float, with_bias: bool, dtype, device
     rows, cols = pick_subsets(labels, args.v, args.rows, args.vocab_rows, args.peaked_rows, args.seed, device)
     t0 = time.perf_counter()
     ref = reference(hidden, weight, bias, labels, temperature, up_g, up_e, rows, cols, args.chunk)
-    torch.cuda.synchronize()
+    _sync()
     print(f"case T={temperature} bias={'all-negative' if with_bias else 'none'}: float64 reference "
           f"in {time.perf_counter() - t0:.1f} s ({rows.numel()} hidden rows, {cols.numel()} vocab rows)")
     return Case(temperature, with_bias, hidden, weight, labels, bias, up_g, up_e, rows, cols, ref)

@@ -1,30 +1,36 @@
-"""One entry point for the GPU validation run: kernel correctness, the kernel benchmark, a training step, vLLM.
+"""One entry point for the GPU validation run: kernel correctness, the kernel benchmark, a training step, pytest.
 
-    python -m bench.gpu_suite --part {correctness,kernels,train,vllm,all} [--out DIR] [--size full|smoke]
+    python -m bench.gpu_suite --parts correctness,kernels,train,pytest,extra [--out DIR] [--size full|smoke|rehearse]
+    python -m bench.gpu_suite --part {correctness,kernels,train,pytest,extra,vllm,all} ...
 
-Each part reuses the project's own tools and records what they measured, one JSON line per measurement
-(written and fsynced as it finishes, so a time limit loses nothing already measured), in
-``<out>/<gpu>/suite-<date>.jsonl`` (``<gpu>``: the slug of ``torch.cuda.get_device_name()``, ``cpu``
-without CUDA). Every invocation first records the environment (GPU, driver, CUDA and package versions);
-after each part ``suite-<date>.md`` is rewritten from the JSONL, and a short table is printed last.
+``bench/gpu_run.sh`` is the one device call that drives it (wheels, install, versions, then the parts in
+order under one ``--budget``); see bench/README.md. Each part reuses the project's own tools and records
+what they measured, one JSON line per measurement, appended and fsynced as it finishes (a time limit loses
+nothing already measured), in ``<out>/<gpu>/suite-<date>.jsonl`` (``--flat``: ``<out>/run.jsonl``, the
+kernel cases in ``<out>/kernels.jsonl``). Every invocation first records the environment (GPU, driver, CUDA,
+package versions, commit); after each part the ``.md`` summary is rewritten from the JSONL, and a short
+table is printed last.
 
-  correctness  ``bench/correctness_gpu.py`` case by case (bf16 kernels vs float64), then
-               ``FASTCOV_POISON=1 pytest -m gpu -q`` in a subprocess (pass / fail counts)
-  kernels      ``python -m bench.kernels --preset h100`` (``smoke`` with ``--size smoke``) in a subprocess:
-               where its results went and one summary line
+  correctness  ``bench/correctness_gpu.py``'s cases (bf16 vs float64, forward and backward) at the Qwen2.5-7B
+               and -32B heads: fastcov's Triton path with the naive bf16 path beside it
+  kernels      ``python -m bench.kernels --preset gpu-run`` twice in subprocesses: fastcov's Triton path and
+               naive first, then the peers (compiled naive, Liger, CCE, verl), each beside the same-run cuBLAS
+               floor; the configs the autotuner picked beside the compile report's predictions. The part
+               fails when any fastcov row is not ok (unavailable included)
   train        the project's trainer (GRPO + KL-Cov, ZeRO-3, HF rollouts, the built-in synthetic task) for
-               ``--steps`` steps (the first one counted as warm-up) in a subprocess: seconds per step part,
-               rollout and update tokens/s, peak GPU memory beside ``fastcov.plan.plan_recipe``'s prediction;
-               then one TRL ``GRPOTrainer`` run on the same model shape and batch, if trl is installed
-  vllm         ``python -m bench.vllm_smoke`` (tiny; and 7b with ``--size full``): generation tokens/s, weight
-               sync seconds and GB/s, log-prob parity
+               ``--steps`` steps (the first one counted as warm-up) in a subprocess that writes each step's
+               row as it is logged: seconds per step part, rollout and update tokens/s, peak GPU memory beside
+               ``fastcov.plan.plan_recipe``'s prediction; then one TRL ``GRPOTrainer`` run, if trl is installed
+  pytest       ``FASTCOV_POISON=1 pytest -m gpu`` on the named files (``GPU_TEST_FILES``): counts, failures
+  extra        only when its whole cap is left: the kernels at N 65536, a training step with the optimizer
+               offloaded, and one with LoRA
+  vllm         ``python -m bench.vllm_smoke``; not in the default run (vLLM takes six staging calls)
 
-``--size full`` (the default, alias ``1.5b``) is the GPU run: correctness at Qwen2.5-7B shapes, the ``h100``
-preset, a Qwen2.5-1.5B-shaped policy. ``--size smoke`` (alias ``tiny``) runs the same code paths at toy sizes,
-on CPU too (kernels ``smoke`` preset, the ``configs/tiny.yaml`` model). Without CUDA the parts that need it
-record ``unavailable`` rows. A part that raises is recorded as an ``error`` row and the next part still runs.
-``--budget`` bounds the whole invocation (subprocesses are stopped in time to write the summary).
-See bench/README.md.
+``--size full`` (the default, alias ``1.5b``) is the GPU run. ``--size smoke`` (alias ``tiny``) runs the same
+code paths at toy sizes, on CPU too. ``--size rehearse`` is what ``gpu_run.sh --rehearse`` runs on CPU: toy
+shapes, the Triton path under ``TRITON_INTERPRET=1``, the same order, caps and budget. Without CUDA the parts
+that need it record ``unavailable`` rows. A part that raises is recorded as an ``error`` row with its message
+and the next part still runs; a part the budget does not reach says ``not reached``.
 """
 
 from __future__ import annotations
@@ -51,20 +57,57 @@ import torch
 
 from bench import _measure as M
 from bench.kernels import jsonl_path as kernels_jsonl_path
-from bench.kernels import read_jsonl
+from bench.kernels import read_jsonl, render_jsonl_md
 
 REPO = Path(__file__).resolve().parent.parent
-PARTS_ORDER = ("correctness", "kernels", "train", "vllm")
-SIZE_ALIASES = {"full": "full", "1.5b": "full", "smoke": "smoke", "tiny": "smoke"}
+PARTS_ORDER = ("correctness", "kernels", "train", "pytest", "extra", "vllm")
+RUN_ORDER = ("correctness", "kernels", "train", "pytest", "extra")  # --part all, and gpu_run.sh
+SIZE_ALIASES = {"full": "full", "1.5b": "full", "smoke": "smoke", "tiny": "smoke", "rehearse": "rehearse"}
 RESULT_MARK = "@@GPU_SUITE_RESULT "
 BAD_STATUSES = ("error", "fail", "timeout", "OOM")
 GIB = 2**30
+# Seconds each part may take (its subprocesses are stopped there), per size; the run's --budget bounds them all.
+# "extra" starts only when its whole cap is left ("only if time remains").
+PART_CAPS = {
+    "full": {"correctness": 50, "kernels": 160, "train": 100, "pytest": 45, "extra": 120, "vllm": 400},
+    "smoke": {"correctness": 120, "kernels": 300, "train": 300, "pytest": 300, "extra": 300, "vllm": 300},
+    "rehearse": {"correctness": 40, "kernels": 60, "train": 60, "pytest": 60, "extra": 600, "vllm": 60},
+}
+NEEDS_WHOLE_CAP = ("extra",)
+# the files `pytest -m gpu` runs (the GPU-marked tests; collecting all of tests/ costs ~20 s)
+GPU_TEST_FILES = ("tests/test_linear_logprob_entropy.py", "tests/test_selection.py")
+COMMIT_ENV = "FASTCOV_COMMIT"  # the commit id when the tree travels without .git
 # (module, distribution) whose versions the environment record holds; null where not installed
 PACKAGES = (("triton", "triton"), ("transformers", "transformers"), ("deepspeed", "deepspeed"),
             ("liger_kernel", "liger-kernel"), ("cut_cross_entropy", "cut-cross-entropy"), ("verl", "verl"),
-            ("vllm", "vllm"), ("trl", "trl"), ("accelerate", "accelerate"), ("datasets", "datasets"))
-# correctness_gpu at a small shape for --size smoke (the full run takes its defaults: Qwen2.5-7B's head)
-SMOKE_CORRECTNESS = ["--n", "1024", "--d", "512", "--v", "32064", "--rows", "128", "--vocab-rows", "512"]
+            ("vllm", "vllm"), ("trl", "trl"), ("accelerate", "accelerate"), ("datasets", "datasets"),
+            ("peft", "peft"), ("setuptools", "setuptools"), ("numpy", "numpy"), ("pyarrow", "pyarrow"))
+# correctness_gpu per size: one argument list per head (7B, 32B); a few cases each, fastcov's Triton path
+# with the naive bf16 path beside it
+CORRECTNESS = {
+    "full": [["--n", "4096", "--d", "3584", "--v", "152064", "--impls", "triton", "naive", "--temperatures", "1.0"],
+             ["--n", "4096", "--d", "5120", "--v", "152064", "--impls", "triton", "naive", "--temperatures", "0.6",
+              "--no-bias-case"]],
+    "smoke": [["--n", "1024", "--d", "512", "--v", "32064", "--rows", "128", "--vocab-rows", "512"]],
+    # float16: Triton 3.9's CPU interpreter returns garbage for the kernels in bfloat16 (fp16 and fp32 agree with
+    # float64 to 2e-6); the bf16 path is the GPU's to check
+    "rehearse": [["--n", "64", "--d", "32", "--v", "300", "--rows", "8", "--vocab-rows", "16", "--peaked-rows", "4",
+                  "--chunk", "32", "--impls", "triton", "naive", "--temperatures", "1.0", "--dtype", "float16"],
+                 ["--n", "48", "--d", "48", "--v", "200", "--rows", "8", "--vocab-rows", "16", "--peaked-rows", "4",
+                  "--chunk", "16", "--impls", "triton", "naive", "--temperatures", "0.6", "--no-bias-case",
+                  "--dtype", "float16"]],
+}
+# bench.kernels per size: (name, preset, extra options), in order
+KERNEL_RUNS = {
+    "full": [("fastcov", "gpu-run", ["--impls", "fastcov-triton", "naive"]),
+             ("peers", "gpu-run", ["--impls", "naive", "naive-compile", "liger", "cce", "verl"])],
+    "smoke": [("smoke", "smoke", [])],
+    "rehearse": [("fastcov", "rehearse", ["--impls", "fastcov-triton", "naive", "--isolate", "never"]),
+                 ("peers", "rehearse", ["--impls", "naive", "liger", "cce", "verl", "--isolate", "never"])],
+}
+EXTRA_KERNELS = {"full": ("large", "gpu-run-large", []),
+                 "smoke": ("large", "smoke", []), "rehearse": ("large", "rehearse", ["--isolate", "never"])}
+COMPILE_REPORT = REPO / "bench" / "results" / "compile" / "fastcov.jsonl"
 # the trainer: configs/tiny.yaml plus these (both sizes), then the size's own
 TRAIN_CONFIG = REPO / "configs" / "tiny.yaml"
 TRAIN_COMMON = ["trainer.eval_every=0", "trainer.save_every=0", "trainer.progress=false", "trainer.zero_stage=3",
@@ -80,6 +123,9 @@ TRAIN_FULL = [f"model.arch={QWEN25_15B_ARCH}", "model.gradient_checkpointing=tru
               "rollout.token_budget=131072", "trainer.micro_token_budget=16384", "algo.mini_batches=2",
               "algo.kl_cov_ratio=2.0e-3", "algo.kl_cov_coef=1.0", "algo.loss_agg=token-mean", "optim.lr=5.0e-7"]
 TRAIN_SMOKE: list[str] = []  # tiny.yaml's model and batch as they are
+# the extra part's training steps: the train part's run with the optimizer offloaded, then with LoRA adapters
+TRAIN_EXTRA = {"offload": ["trainer.offload_optimizer=true"],
+               "lora": ["model.lora_rank=16", "model.lora_alpha=32", "model.lora_dropout=0.0"]}
 TRL_MAX_ROWS = 32  # TRL micro-batch rows on the GPU (its loss materialises [rows, tokens, V] logits)
 
 
@@ -150,13 +196,28 @@ def run_cmd(cmd: list[str], timeout: float, env: dict | None = None) -> Proc:
         out, err = p.communicate(timeout=timeout)
         return Proc(p.returncode, out, err, time.perf_counter() - t0)
     except subprocess.TimeoutExpired:
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        out, err = p.communicate()
+        # SIGTERM first: a worker's `finally` blocks run (torch's JIT-build lock, which DeepSpeed takes to build
+        # its ops, is released; a SIGKILL mid-build leaves a lock every later run waits on); then SIGKILL
+        out, err = _stop_group(p, grace=TERM_GRACE_S)
         return Proc(p.returncode, out or "", (err or "") + f"\nstopped after {timeout:.0f} s",
                     time.perf_counter() - t0, timed_out=True)
+
+
+TERM_GRACE_S = 5.0
+
+
+def _stop_group(p: subprocess.Popen, grace: float) -> tuple[str, str]:
+    """SIGTERM to ``p``'s process group, SIGKILL after ``grace`` seconds; what it printed."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, None)):
+        try:
+            os.killpg(p.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            return p.communicate(timeout=wait)
+        except subprocess.TimeoutExpired:
+            continue
+    return "", ""
 
 
 # =========================================================================== the run
@@ -167,7 +228,7 @@ class Suite:
     """One invocation: where its rows go, its size, its time budget, and the rows it recorded."""
 
     out: Path
-    size: str  # full | smoke
+    size: str  # full | smoke | rehearse
     steps: int
     timeout: float  # per subprocess
     deadline: float | None  # time.monotonic() by which everything must be done
@@ -176,17 +237,37 @@ class Suite:
     date: str
     run_id: str
     rows: list[dict] = field(default_factory=list)
+    flat: bool = False  # rows in <out>/run.jsonl, kernel cases in <out>/kernels.jsonl (gpu_run.sh: what comes back)
+    caps: dict[str, float] = field(default_factory=dict)  # seconds per part (PART_CAPS, --cap)
+    reserve: float = 15.0  # seconds of the budget kept for the summary
+    part: str | None = None  # the part running now
+    part_deadline: float | None = None  # time.monotonic() by which the running part must end
+    faults: dict[str, str] = field(default_factory=dict)  # rehearsal only: part -> "crash" | "hang"
 
     @property
     def dir(self) -> Path:
-        return self.out / self.slug
+        return self.out if self.flat else self.out / self.slug
 
     @property
     def path(self) -> Path:
-        return self.dir / f"suite-{self.date}.jsonl"
+        return self.out / "run.jsonl" if self.flat else self.dir / f"suite-{self.date}.jsonl"
+
+    @property
+    def scratch(self) -> Path:
+        """Where the tools' own reports go: outside <out> when flat (the device call returns 8 files)."""
+        if not self.flat:
+            return self.dir
+        path = Path(tempfile.gettempdir()) / f"gpu-suite-{self.run_id}"
+        path.mkdir(parents=True, exist_ok=True)
+        return path
 
     def left(self) -> float:
         return float("inf") if self.deadline is None else self.deadline - time.monotonic()
+
+    def part_left(self) -> float:
+        """Seconds the running part may still take: its cap, and the budget less the summary's reserve."""
+        cap = float("inf") if self.part_deadline is None else self.part_deadline - time.monotonic()
+        return min(cap, self.left() - self.reserve)
 
     def record(self, part: str, name: str, status: str, reason: str = "", summary: str = "", **fields) -> dict:
         row = {"run": self.run_id, "part": part, "name": name, "status": status, "reason": reason,
@@ -198,8 +279,17 @@ class Suite:
         return row
 
     def run(self, cmd: list[str], env: dict | None = None) -> Proc:
-        """A subprocess bounded by --timeout and by what is left of --budget (minus time for the summary)."""
-        return run_cmd(cmd, min(self.timeout, self.left() - 15.0), env)
+        """A subprocess bounded by --timeout, the running part's cap and what is left of --budget (less the
+        summary's reserve). Under an injected ``hang`` fault (the rehearsal) the command is a stand-in that
+        writes one row and then sleeps until it is stopped."""
+        if self.faults.get(self.part or "") == "hang":
+            row = json.dumps({"run": self.run_id, "part": self.part, "name": "hang (injected)", "status": "partial",
+                              "reason": "", "summary": "written before the injected hang", "size": self.size,
+                              "gpu": self.gpu})
+            cmd = [sys.executable, "-c", "import os, sys, time\nwith open(sys.argv[1], 'a') as f:\n"
+                   "    f.write(sys.argv[2] + '\\n'); f.flush(); os.fsync(f.fileno())\ntime.sleep(3600)",
+                   str(self.path), row]
+        return run_cmd(cmd, min(self.timeout, self.part_left()), env)
 
 
 def make_suite(args) -> Suite:
@@ -208,10 +298,13 @@ def make_suite(args) -> Suite:
     out = Path(args.out)
     out = out if out.is_absolute() else Path.cwd() / out
     now = _dt.datetime.now()
-    return Suite(out=out, size=SIZE_ALIASES[args.size], steps=args.steps, timeout=args.timeout,
+    size = SIZE_ALIASES[args.size]
+    caps = {**PART_CAPS[size], **dict(args.cap or [])}
+    return Suite(out=out, size=size, steps=args.steps, timeout=args.timeout,
                  deadline=time.monotonic() + args.budget if args.budget > 0 else None, gpu=gpu,
                  slug=M.slugify(gpu) if gpu else "cpu", date=now.date().isoformat(),
-                 run_id=f"{now:%Y%m%dT%H%M%S.%f}-{os.getpid()}")
+                 run_id=f"{now:%Y%m%dT%H%M%S.%f}-{os.getpid()}", flat=args.flat, caps=caps,
+                 reserve=8.0 if size == "rehearse" else 15.0, faults=dict(args.fault or []))
 
 
 # =========================================================================== environment
@@ -246,11 +339,16 @@ def driver_version() -> str | None:
 
 
 def git_commit() -> str | None:
+    """HEAD of the checkout; where the tree travelled without .git, $FASTCOV_COMMIT (the device call sets it)."""
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
-        return out.stdout.strip() or None if out.returncode == 0 else None
+        out = subprocess.run(["git", "rev-parse", "--show-toplevel", "HEAD"], cwd=REPO, capture_output=True,
+                             text=True, timeout=10)
+        lines = out.stdout.split()
+        if out.returncode == 0 and len(lines) == 2 and Path(lines[0]).resolve() == REPO.resolve():
+            return lines[1]  # not a repository above the tree
     except (OSError, subprocess.SubprocessError):
-        return None
+        pass
+    return os.environ.get(COMMIT_ENV, "").strip() or None
 
 
 def environment(s: Suite, argv: list[str]) -> dict:
@@ -275,26 +373,35 @@ def env_summary(env: dict) -> str:
 
 
 def part_correctness(s: Suite) -> None:
-    if not torch.cuda.is_available():
-        for name in ("correctness_gpu", "pytest -m gpu"):
-            s.record("correctness", name, "unavailable", "needs CUDA")
+    """correctness_gpu's cases at each head of CORRECTNESS[size]; on CPU only in the rehearsal (the Triton path
+    under the interpreter)."""
+    if not torch.cuda.is_available() and s.size != "rehearse":
+        s.record("correctness", "correctness_gpu", "unavailable", "needs CUDA")
         return
-    guarded(s, "correctness", "correctness_gpu", correctness_cases)
-    guarded(s, "correctness", "pytest -m gpu", gpu_pytest)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    for head in CORRECTNESS[s.size]:
+        guarded(s, "correctness", "correctness_gpu", lambda s, head=head: correctness_cases(s, device, tuple(head)))
 
 
 def correctness_cases(s: Suite, device: torch.device | None = None, extra: tuple[str, ...] = ()) -> None:
     """bench/correctness_gpu.py's cases through its own functions, one row per (case, implementation).
-    ``device`` (default CUDA) and ``extra`` (more correctness_gpu options) let a CPU test drive it."""
+    ``device`` (default CUDA) and ``extra`` (correctness_gpu options: the shape, impls, temperatures) let the
+    rehearsal and a CPU test drive it."""
     from bench import correctness_gpu as C
 
-    argv = ["--out", str(s.dir)] + (SMOKE_CORRECTNESS if s.size == "smoke" else []) + list(extra)
+    argv = ["--out", str(s.scratch)] + list(extra)
     args = C.parse_args(argv)
-    C.check_environment(args.impls)
-    device, dtype = device or torch.device("cuda"), getattr(torch, args.dtype)
-    report = C.report_header(args, argv, s.gpu)
+    device = device or torch.device("cuda")
+    if device.type == "cuda":
+        C.check_environment(args.impls)
+    dtype = getattr(torch, args.dtype)
+    report = C.report_header(args, argv, s.gpu or "cpu")
     cases = [(t, False) for t in args.temperatures] + ([] if args.no_bias_case else [(args.temperatures[-1], True)])
     for ci, (temperature, with_bias) in enumerate(cases):
+        if s.part_left() <= 0:
+            s.record("correctness", f"T={temperature}" + (" bias" if with_bias else ""), "not reached",
+                     "the part's time cap or the run's --budget is spent")
+            continue
         case = C.build_case(args, ci, temperature, with_bias, dtype, device)
         for impl in args.impls:
             entry = C.check_impl(impl, case)
@@ -304,9 +411,11 @@ def correctness_cases(s: Suite, device: torch.device | None = None, extra: tuple
         del case
         torch.cuda.empty_cache()
     fused = [e for e in report["cases"] if not e["baseline_only"]]
-    report["passed"] = all(e["status"] == "ok" and not e.get("failures") for e in fused)
-    path = C.write_report(report, s.dir, s.gpu)
+    ran = len(fused) == len(cases) * len([i for i in args.impls if i != "naive"])
+    report["passed"] = ran and all(e["status"] == "ok" and not e.get("failures") for e in fused)
+    path = C.write_report(report, s.scratch, s.gpu or "cpu")
     s.record("correctness", "correctness_gpu", "ok" if report["passed"] else "fail",
+             "" if ran else "not every case ran",
              summary=f"{sum(e['status'] == 'ok' and not e.get('failures') for e in fused)}/{len(fused)} fastcov "
                      f"cases within tolerance (N {args.n}, D {args.d}, V {args.v}, {args.dtype})",
              report=str(path), shape={"n": args.n, "d": args.d, "v": args.v, "dtype": args.dtype})
@@ -344,56 +453,145 @@ def pytest_counts(output: str) -> dict[str, int]:
     return {}
 
 
-def gpu_pytest(s: Suite, targets: tuple[str, ...] = ()) -> None:
-    """``FASTCOV_POISON=1 pytest -m gpu -q`` in a subprocess (on ``targets``, default the project's tests):
-    counts, the failing tests, the output's tail."""
+def part_pytest(s: Suite) -> None:
+    """``pytest -m gpu`` on GPU_TEST_FILES (named files: collecting all of tests/ costs ~20 s)."""
+    gpu_pytest(s, GPU_TEST_FILES)
+
+
+def gpu_pytest(s: Suite, targets: tuple[str, ...] = GPU_TEST_FILES) -> None:
+    """``FASTCOV_POISON=1 pytest -m gpu -q`` on ``targets`` in a subprocess: counts, the failing tests, the output's
+    tail. A run in which no test passed is no pass: ``unavailable`` without CUDA (the tests skip), else ``fail``."""
+    missing = [t for t in targets if not (REPO / t.split("::")[0]).exists() and not Path(t).exists()]
+    if missing:
+        s.record("pytest", "pytest -m gpu", "error", f"no such test file: {missing[0]}")
+        return
     proc = s.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rfE", "-p", "no:cacheprovider", *targets],
                  {"FASTCOV_POISON": "1"})
     counts = pytest_counts(proc.out)
     failed = [ln for ln in proc.out.splitlines() if ln.startswith(("FAILED ", "ERROR "))]
     if proc.timed_out:
         status, reason = "timeout", proc.tail(3)
-    elif proc.rc == 0:
-        status, reason = "ok", ""
     elif counts.get("failed") or counts.get("errors"):
         status, reason = "fail", "; ".join(failed[:5])
-    else:
+    elif proc.rc not in (0, 5):
         status, reason = "error", f"pytest exited {proc.rc}: " + proc.tail(3)
+    elif not counts.get("passed"):
+        status, reason = (("fail", "no GPU test ran") if torch.cuda.is_available()
+                          else ("unavailable", "needs CUDA (the GPU tests skip)"))
+    else:
+        status, reason = "ok", ""
     summary = ", ".join(f"{n} {k}" for k, n in counts.items()) + f" ({proc.wall_s:.0f} s)"
-    s.record("correctness", "pytest -m gpu", status, reason, summary, counts=counts, returncode=proc.rc,
-             failed=failed[:50], tail=proc.tail(30), wall_s=proc.wall_s)
+    s.record("pytest", "pytest -m gpu", status, reason, summary, counts=counts, returncode=proc.rc,
+             targets=list(targets), failed=failed[:50], tail=proc.tail(30), wall_s=proc.wall_s)
 
 
 # =========================================================================== part: kernels
 
 
 def part_kernels(s: Suite) -> None:
-    """``python -m bench.kernels --preset h100`` (smoke: ``--preset smoke``); its own files hold the cases."""
-    preset = "h100" if s.size == "full" else "smoke"
+    """``python -m bench.kernels`` for each of KERNEL_RUNS[size] (fastcov and naive first, then the peers), each
+    case line appended to the kernels JSONL as its shape finishes; then the autotuner's picks."""
+    for name, preset, extra in KERNEL_RUNS[s.size]:
+        kernels_run(s, "kernels", name, preset, extra)
+    record_autotune(s, "kernels")
+
+
+def kernels_jsonl(s: Suite) -> Path:
+    if s.flat:
+        return s.out / "kernels.jsonl"
     cuda = torch.cuda.is_available()
-    if preset == "h100" and not cuda:
-        s.record("kernels", f"preset {preset}", "unavailable", "needs CUDA (--size smoke runs the smoke preset)")
+    return kernels_jsonl_path(s.out, {"device_slug": M.device_slug(torch.device("cuda" if cuda else "cpu"))}, s.date)
+
+
+def kernels_run(s: Suite, part: str, name: str, preset: str, extra: list[str]) -> None:
+    """One ``bench.kernels`` subprocess: a row with its cases' statuses and fastcov's figures. The row fails when
+    any fastcov case is not ok (an unavailable or missing Triton path is no pass)."""
+    from bench.kernels import PRESETS
+
+    cuda = torch.cuda.is_available()
+    if PRESETS[preset]["device"] == "cuda" and not cuda:
+        s.record(part, f"{name}: preset {preset}", "unavailable", "needs CUDA (--size smoke runs the smoke preset)")
         return
-    env = {"device_slug": M.device_slug(torch.device("cuda" if cuda else "cpu"))}
-    lines = kernels_jsonl_path(s.out, env, s.date)
+    lines = kernels_jsonl(s)
     before = len(read_jsonl(lines)) if lines.is_file() else 0
-    proc = s.run([sys.executable, "-m", "bench.kernels", "--preset", preset, "--out", str(s.out)])
+    proc = s.run([sys.executable, "-m", "bench.kernels", "--preset", preset, "--out", str(s.scratch),
+                  "--jsonl", str(lines), *extra])
     cases = read_jsonl(lines)[before:] if lines.is_file() else []
+    if lines.is_file():  # bench.kernels writes it at the end of a preset; a run stopped on its cap does not
+        lines.with_suffix(".md").write_text(render_jsonl_md(read_jsonl(lines)))
     statuses: dict[str, int] = {}
     for c in cases:
         statuses[c["status"]] = statuses.get(c["status"], 0) + 1
+    fastcov = [c for c in cases if c["impl"].startswith("fastcov")]
     fused = [{k: c.get(k) for k in ("impl", "group", "n", "fwd_ms", "fb_ms", "fwd_pct_floor", "fb_pct_floor",
-                                    "speedup_fb", "fb_peak_bytes", "check")}
-             for c in cases if c["impl"].startswith("fastcov") and c["status"] == "ok"]
+                                    "floor_fb_ms", "speedup_fb", "fb_peak_bytes", "check")}
+             for c in fastcov if c["status"] == "ok"]
     summary = f"{len(cases)} cases ({', '.join(f'{n} {k}' for k, n in statuses.items())})" + "".join(
         f"; {f['impl']} {f['group']} N={f['n']}: fwd+bwd {_fmt(f['fb_ms'], '.2f')} ms, "
         f"{_fmt(f['fb_pct_floor'], '.0f')}% of floor, {_fmt(f['speedup_fb'], '.2f')}x naive" for f in fused)
-    status = "timeout" if proc.timed_out else "ok" if proc.rc == 0 and cases else "error"
-    reason = "" if status == "ok" else f"bench.kernels exited {proc.rc}: {proc.tail(4)}"
-    s.record("kernels", f"preset {preset}", status, reason, summary, preset=preset, results_jsonl=str(lines),
-             results_md=str(lines.with_suffix(".md")),
-             results_json=str(s.out / f"{env['device_slug']}-{s.date}.json"), cases=len(cases),
-             statuses=statuses, fastcov=fused, returncode=proc.rc, wall_s=proc.wall_s)
+    not_ok = [f"{c['impl']} {c['group']} N={c['n']}: {c['status']}: {c.get('reason') or '-'}"
+              for c in fastcov if c["status"] != "ok"]
+    if proc.timed_out:
+        status, reason = "timeout", f"stopped after {proc.wall_s:.0f} s with {len(cases)} cases: {proc.tail(2)}"
+    elif proc.rc != 0 or not cases:
+        status, reason = "error", f"bench.kernels exited {proc.rc}: {proc.tail(4)}"
+    elif not_ok:
+        status, reason = "fail", "; ".join(not_ok[:4])
+    else:
+        status, reason = "ok", ""
+    s.record(part, f"{name}: preset {preset}", status, reason, summary, preset=preset, results_jsonl=str(lines),
+             cases=len(cases), statuses=statuses, fastcov=fused, returncode=proc.rc, wall_s=proc.wall_s,
+             command=" ".join(["python -m bench.kernels --preset", preset, *extra]))
+
+
+def compile_predictions(arch: str, path: Path = COMPILE_REPORT) -> dict[tuple[str, str, str], dict]:
+    """The compile report's rows for ``arch`` (``sm_90a``) with no switches on: (kernel, dtype, config) -> row."""
+    if not path.is_file():
+        return {}
+    out = {}
+    for r in read_jsonl(path):
+        sw = r.get("switch") or {}
+        if r.get("arch") == arch and not sw.get("HAS_BIAS") and not sw.get("COV") and not sw.get("TOPK"):
+            out[(r["kernel"], r["dtype"], r["config"])] = r
+    return out
+
+
+def autotune_rows(cases: list[dict], arch: str, predictions: dict) -> list[dict]:
+    """One entry per (shape, kernel) the autotuner picked a config for, beside what the compile report
+    predicted for that config on ``arch`` (registers, spills, shared memory, tensor-core path, compile s)."""
+    out = []
+    for c in cases:
+        for pick in c.get("autotune") or []:
+            dtype = pick["key"][-1].removeprefix("torch.") if pick["key"] else c.get("dtype")
+            pred = predictions.get((pick["kernel"], dtype, pick["config"]))
+            out.append({"group": c["group"], "n": c["n"], "kernel": pick["kernel"], "key": pick["key"],
+                        "config": pick["config"], "dtype": dtype, "in_report": pred is not None,
+                        **{k: (pred or {}).get(k) for k in ("registers", "spill_stores", "spill_loads", "smem",
+                                                            "tensor_cores", "compile_s")}})
+    return out
+
+
+def record_autotune(s: Suite, part: str) -> None:
+    """The configs fastcov-triton's autotuners picked (from the kernel case lines) beside the compile report."""
+    lines = kernels_jsonl(s)
+    cases = [c for c in (read_jsonl(lines) if lines.is_file() else []) if c.get("impl") == "fastcov-triton"
+             and c.get("autotune")]
+    if not torch.cuda.is_available():
+        s.record(part, "autotune picks", "unavailable", "no autotuning off CUDA (the interpreter runs fixed tiles)")
+        return
+    major, minor = torch.cuda.get_device_capability(0)
+    arch = f"sm_{10 * major + minor}" + ("a" if major >= 9 else "")
+    rows = autotune_rows(cases, arch, compile_predictions(arch))
+    if not rows:
+        s.record(part, "autotune picks", "error", "no fastcov-triton case recorded an autotuned config")
+        return
+    spilled = [r for r in rows if r["spill_stores"] or r["spill_loads"]]
+    summary = "; ".join(f"{r['kernel'].rsplit('.', 1)[-1]} {r['group']} N={r['n']}: {r['config']} "
+                        f"({_fmt(r['registers'], 'd')} regs, {_fmt(r['spill_stores'], 'd')} B spilled predicted)"
+                        for r in rows)
+    s.record(part, "autotune picks", "fail" if spilled else "ok",
+             f"{len(spilled)} picked config(s) predicted to spill" if spilled else "", summary, arch=arch, picks=rows,
+             compile_report=str(COMPILE_REPORT))
 
 
 def _fmt(x, spec: str) -> str:
@@ -403,13 +601,16 @@ def _fmt(x, spec: str) -> str:
 # =========================================================================== part: train
 
 
-def train_spec(s: Suite) -> dict:
-    """The config file, overrides and step count the train worker and the TRL worker share."""
+def train_spec(s: Suite, part: str = "train", label: str = "fastcov", extra: tuple[str, ...] = ()) -> dict:
+    """The config file, overrides and step count the train worker and the TRL worker share, and where the
+    worker appends its step rows (the suite's JSONL, as each step is logged)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     size = TRAIN_FULL if s.size == "full" else TRAIN_SMOKE
     # one step more than measured: the run stops after the last measured row, before any final checkpoint
-    overrides = TRAIN_COMMON + size + [f"trainer.max_steps={s.steps + 1}", f"trainer.device={device}"]
-    return {"config": str(TRAIN_CONFIG), "overrides": overrides, "steps": s.steps}
+    overrides = TRAIN_COMMON + size + list(extra) + [f"trainer.max_steps={s.steps + 1}", f"trainer.device={device}"]
+    return {"config": str(TRAIN_CONFIG), "overrides": overrides, "steps": s.steps,
+            "rows": {"path": str(s.path), "run": s.run_id, "part": part, "label": label, "size": s.size,
+                     "gpu": s.gpu}}
 
 
 def plan_prediction(spec: dict) -> dict:
@@ -431,16 +632,41 @@ def part_train(s: Suite) -> None:
         for name in ("fastcov trainer", "trl GRPOTrainer"):
             s.record("train", name, "unavailable", "needs CUDA (--size tiny runs the same path on CPU)")
         return
-    spec = train_spec(s)
+    spec = train_run(s, "train", "fastcov")
+    if s.size == "rehearse":
+        s.record("train", "trl GRPOTrainer", "unavailable", "not run in the rehearsal (TRL is not in the GPU image)")
+        return
+    guarded(s, "train", "trl GRPOTrainer", lambda s: part_trl(s, spec))
+
+
+def train_run(s: Suite, part: str, label: str, extra: tuple[str, ...] = ()) -> dict:
+    """One trainer worker: its step rows come from the worker as each step is logged; then the summary row."""
+    spec = train_spec(s, part, label, extra)
     plan = plan_prediction(spec)
+    spec["ppo_epochs"] = plan["ppo_epochs"]
     with tempfile.TemporaryDirectory(prefix="gpu-suite-train-") as tmp:
         spec["overrides"].append(f"trainer.run_dir={tmp}/run")
+        # on CPU: DeepSpeed's CPU accelerator, and the trainer's kernels not under the rehearsal's interpreter
         proc = s.run([sys.executable, "-m", "bench.gpu_suite", "--_worker", "train", "--_spec", json.dumps(spec)],
-                     {} if torch.cuda.is_available() else {"DS_ACCELERATOR": "cpu"})
+                     {} if torch.cuda.is_available() else {"DS_ACCELERATOR": "cpu", "TRITON_INTERPRET": "0"})
         metrics = Path(tmp) / "run" / "metrics.jsonl"
         rows = [r for r in (read_jsonl(metrics) if metrics.is_file() else []) if r.get("step", 0) >= 1]
-    record_train(s, spec, proc, rows, plan)
-    guarded(s, "train", "trl GRPOTrainer", lambda s: part_trl(s, spec))
+    s.rows += [r for r in read_jsonl(s.path) if r.get("run") == s.run_id and r.get("part") == part
+               and r.get("name", "").startswith(f"{label} step ")]  # the worker's rows, for the table
+    record_train(s, spec, proc, rows, plan, part, label)
+    return spec
+
+
+def step_row(spec: dict, r: dict) -> dict:
+    """The suite row of one logged training step (what the worker appends as the step is logged)."""
+    where = spec["rows"]
+    f = step_fields(r, spec.get("ppo_epochs", 1))
+    parts = ", ".join(f"{k[5:]} {v:.2f}" for k, v in f.items() if k.startswith("time/") and k != "time/step")
+    return {"run": where["run"], "part": where["part"], "name": f"{where['label']} step {f['step']}", "status": "ok",
+            "reason": "", "summary": f"{f['time/step']:.2f} s ({parts}); rollout "
+            f"{_fmt(f['rollout_tokens_per_s'], '.0f')} tok/s, update {_fmt(f['update_tokens_per_s'], '.0f')} tok/s"
+            + (" [warm-up]" if f["step"] == 1 else ""), "size": where["size"], "gpu": where["gpu"],
+            "at": _dt.datetime.now().isoformat(timespec="seconds"), "warmup": f["step"] == 1, **f}
 
 
 def step_fields(r: dict, ppo_epochs: int) -> dict:
@@ -458,14 +684,11 @@ def _median(rows: list[dict], key: str) -> float | None:
     return statistics.median(vals) if vals else None
 
 
-def record_train(s: Suite, spec: dict, proc: Proc, rows: list[dict], plan: dict) -> None:
+def record_train(s: Suite, spec: dict, proc: Proc, rows: list[dict], plan: dict, part: str = "train",
+                 label: str = "fastcov") -> None:
+    """The run's summary row (its step rows are the worker's): medians after the warm-up, peak memory, plan."""
     res = proc.result() or {}
     steps = [step_fields(r, plan["ppo_epochs"]) for r in rows]
-    for f in steps:
-        parts = ", ".join(f"{k[5:]} {v:.2f}" for k, v in f.items() if k.startswith("time/") and k != "time/step")
-        s.record("train", f"fastcov step {f['step']}", "ok", summary=f"{f['time/step']:.2f} s ({parts}); rollout "
-                 f"{_fmt(f['rollout_tokens_per_s'], '.0f')} tok/s, update {_fmt(f['update_tokens_per_s'], '.0f')} tok/s"
-                 + (" [warm-up]" if f["step"] == 1 else ""), warmup=f["step"] == 1, **f)
     measured = [f for f in steps if f["step"] > 1] or steps
     keys = sorted({k for f in measured for k in f if k.startswith("time/")})
     med = {k: _median(measured, k) for k in keys + ["rollout_tokens_per_s", "update_tokens_per_s", "tokens"]}
@@ -477,7 +700,7 @@ def record_train(s: Suite, spec: dict, proc: Proc, rows: list[dict], plan: dict)
     summary = (f"median of {len(measured)} step(s) after warm-up: {_fmt(med.get('time/step'), '.2f')} s/step, rollout "
                f"{_fmt(med['rollout_tokens_per_s'], '.0f')} tok/s, update {_fmt(med['update_tokens_per_s'], '.0f')} "
                f"tok/s; peak GPU {_fmt(peak_gib, '.1f')} GiB (plan {plan['peak_gib']:.1f} GiB)")
-    s.record("train", "fastcov trainer", status, reason, summary, steps_measured=[f["step"] for f in measured],
+    s.record(part, f"{label} trainer", status, reason, summary, steps_measured=[f["step"] for f in measured],
              medians=med, peak_gpu_bytes=peak, peak_gpu_gib=peak_gib,
              peak_reserved_bytes=res.get("peak_reserved_bytes"), peak_rss_bytes=res.get("peak_rss_bytes"),
              plan=plan, plan_peak_gib=plan["peak_gib"],
@@ -538,6 +761,8 @@ def train_worker(spec: dict) -> dict:
 
     def log_then_stop(run, rec):
         log_row(run, rec)
+        if "rows" in spec and rec.get("step", 0) >= 1 and "time/step" in rec and "tokens_per_s" in rec:
+            M.append_jsonl(spec["rows"]["path"], step_row(spec, rec), default=str)  # a later kill keeps it
         if rec.get("step") == spec["steps"]:
             raise _Measured
 
@@ -642,6 +867,10 @@ def worker_main(kind: str, spec: dict) -> None:
     """Run one worker (a subprocess of the suite); its last stdout line is RESULT_MARK + JSON ({"ok": ..., ...}).
     It then leaves at once (``os._exit``): the trainer's NCCL group and DeepSpeed engine are not torn down,
     so that no teardown can hang on the device's clock once the result is out."""
+    def stopped(signum, frame):  # the suite's SIGTERM at the cap: unwind, so that locks and files are released
+        raise SystemExit(f"stopped by signal {signum} (the part's time cap)")
+
+    signal.signal(signal.SIGTERM, stopped)
     try:
         res = {"ok": True, **WORKERS[kind](spec)}
     except BaseException as exc:  # noqa: BLE001 - the parent records it
@@ -697,27 +926,73 @@ def record_vllm(s: Suite, size: str, proc: Proc) -> None:
 # =========================================================================== running parts, output
 
 
-PARTS = {"correctness": part_correctness, "kernels": part_kernels, "train": part_train, "vllm": part_vllm}
+# =========================================================================== part: extra
+
+
+def part_extra(s: Suite) -> None:
+    """What runs only when time is left: the kernels at N 65536, then a training step with the optimizer
+    offloaded and one with LoRA adapters (each beside the plan's estimate, like the train part)."""
+    name, preset, extra = EXTRA_KERNELS[s.size]
+    kernels_run(s, "extra", name, preset, extra)
+    if s.size == "full" and not torch.cuda.is_available():
+        s.record("extra", "training steps", "unavailable", "needs CUDA")
+        return
+    for label, overrides in TRAIN_EXTRA.items():
+        if s.part_left() <= 0:
+            s.record("extra", f"{label} trainer", "not reached", "the part's time cap or the run's --budget is spent")
+        elif label == "lora" and importlib.util.find_spec("peft") is None:
+            s.record("extra", f"{label} trainer", "unavailable", "peft not installed (no wheel in .whl)")
+        else:
+            guarded(s, "extra", f"{label} trainer", lambda s, label=label, o=overrides: train_run(s, "extra", label,
+                                                                                                 tuple(o)))
+
+
+# =========================================================================== running parts, output
+
+
+PARTS = {"correctness": part_correctness, "kernels": part_kernels, "train": part_train, "pytest": part_pytest,
+         "extra": part_extra, "vllm": part_vllm}
 
 
 def guarded(s: Suite, part: str, name: str, fn) -> None:
-    """``fn(s)``; whatever it raises becomes an error (or OOM) row named ``name`` and the run goes on."""
+    """``fn(s)``; whatever it raises becomes an error (or OOM) row named ``name``, with its message, and the run
+    goes on."""
     try:
         fn(s)
     except Exception as exc:  # noqa: BLE001
         s.record(part, name, "OOM" if is_oom(exc) else "error", short(exc), traceback=traceback.format_exc(limit=8))
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    except SystemExit as exc:  # correctness_gpu.die()
-        s.record(part, name, "error", f"exited {exc.code}")
+    except SystemExit as exc:  # correctness_gpu.die(): its message, not only the status
+        message = getattr(exc, "message", None)
+        s.record(part, name, "error", f"exited {exc.code}" + (f": {message}" if message else ""))
+
+
+class InjectedCrash(RuntimeError):
+    """The rehearsal's ``--fault PART=crash``: the part raises at its start."""
+
+
+def _crash(s: Suite) -> None:
+    raise InjectedCrash(f"injected crash of part {s.part}")
 
 
 def run_part(s: Suite, part: str) -> None:
-    if s.left() < 30:
-        s.record(part, "part", "skipped", "the suite's --budget is spent")
+    """One part under its cap; ``not reached`` when the budget cannot start it (for ``extra``: its whole cap)."""
+    cap = s.caps.get(part, float("inf"))
+    need = cap if part in NEEDS_WHOLE_CAP else min(cap, 30.0 if s.size != "rehearse" else 5.0)
+    if s.left() - s.reserve < need:
+        s.record(part, "part", "not reached", f"{s.left():.0f} s of the run's --budget left, the part needs "
+                 f"{need:.0f} s" + (" (it runs only when its whole cap is left)" if part in NEEDS_WHOLE_CAP else ""))
     else:
-        log(f"part {part} (size {s.size})")
-        guarded(s, part, "part", PARTS[part])
+        log(f"part {part} (size {s.size}, cap {cap:.0f} s, {s.left():.0f} s of the budget left)")
+        s.part, s.part_deadline = part, time.monotonic() + cap
+        t0 = time.monotonic()
+        try:
+            guarded(s, part, "part", _crash if s.faults.get(part) == "crash" else PARTS[part])
+        finally:
+            s.part, s.part_deadline = None, None
+        s.record(part, "part time", "info", summary=f"{time.monotonic() - t0:.0f} s of a {cap:.0f} s cap",
+                 wall_s=time.monotonic() - t0, cap_s=cap)
     write_md(s.path)
 
 
@@ -734,7 +1009,7 @@ def render_md(rows: list[dict], source: str = "") -> str:
     if env:
         lines += [f"Environment: {_cell(env.get('summary'))}.", "", f"Command: `{env.get('command')}`; commit "
                   f"{env.get('commit') or 'unknown'}." + (f" Rows: `{source}`." if source else ""), ""]
-    for part in PARTS_ORDER:
+    for part in ("setup", *PARTS_ORDER):
         mine = [r for r in rows if r.get("part") == part]
         if not mine:
             continue
@@ -768,18 +1043,71 @@ def print_table(rows: list[dict], width: int = 100) -> None:
 # =========================================================================== CLI
 
 
+def _part_seconds(text: str) -> tuple[str, float]:
+    part, _, secs = text.partition("=")
+    if part not in PARTS_ORDER:
+        raise argparse.ArgumentTypeError(f"unknown part {part!r} (parts: {', '.join(PARTS_ORDER)})")
+    try:
+        return part, float(secs)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--cap {text!r}: seconds must be a number (PART=SECONDS)") from None
+
+
+def _part_fault(text: str) -> tuple[str, str]:
+    part, _, kind = text.partition("=")
+    if part not in PARTS_ORDER or kind not in ("crash", "hang"):
+        raise argparse.ArgumentTypeError(f"--fault {text!r}: PART=crash or PART=hang, PART one of "
+                                         f"{', '.join(PARTS_ORDER)}")
+    return part, kind
+
+
+def parse_parts(text: str) -> list[str]:
+    """``correctness,kernels`` -> the parts in the order given; ``all`` -> RUN_ORDER."""
+    if text == "all":
+        return list(RUN_ORDER)
+    parts = [x for x in text.replace(" ", ",").split(",") if x]
+    unknown = [x for x in parts if x not in PARTS_ORDER]
+    if unknown or not parts:
+        raise ValueError(f"unknown part {unknown[0]!r}" if unknown else "no part named")
+    return list(dict.fromkeys(parts))
+
+
+def record_setup(s: Suite, path: Path) -> None:
+    """gpu_run.sh's setup steps (wheels, install), one ``status<TAB>name<TAB>message`` line each, as rows."""
+    if not path.is_file():
+        s.record("setup", "setup log", "error", f"no setup log at {path}")
+        return
+    for line in path.read_text().splitlines():
+        status, _, rest = line.partition("\t")
+        name, _, message = rest.partition("\t")
+        if status:
+            s.record("setup", name or "step", status, message if status != "ok" else "", message if status == "ok"
+                     else "")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.gpu_suite", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--part", choices=[*PARTS_ORDER, "all"], help="what to run (all: each part in turn)")
+    p.add_argument("--part", choices=[*PARTS_ORDER, "all"], help="one part (all: correctness, kernels, train, "
+                   "pytest, extra in turn)")
+    p.add_argument("--parts", help=f"parts in the order to run them, comma-separated ({', '.join(PARTS_ORDER)}) "
+                   "or all")
     p.add_argument("--out", default="bench/results", help="results folder (default bench/results; on the "
                    "device machine $OUT)")
+    p.add_argument("--flat", action="store_true", help="write <out>/run.jsonl, run.md, kernels.jsonl, kernels.md "
+                   "and nothing else under <out> (the device call returns at most 8 files)")
     p.add_argument("--size", choices=sorted(SIZE_ALIASES), default="full",
-                   help="full (= 1.5b, the GPU run) or smoke (= tiny: toy sizes, CPU too)")
+                   help="full (= 1.5b, the GPU run), smoke (= tiny: toy sizes, CPU too) or rehearse (gpu_run.sh "
+                   "--rehearse: toy sizes on CPU, the Triton path under the interpreter)")
     p.add_argument("--steps", type=int, default=3, help="training steps, the first one a warm-up (default 3)")
     p.add_argument("--timeout", type=float, default=540.0, help="seconds per subprocess (default 540)")
     p.add_argument("--budget", type=float, default=570.0,
                    help="seconds for the whole invocation, summary included (default 570; 0: no limit)")
+    p.add_argument("--cap", type=_part_seconds, action="append", metavar="PART=SECONDS",
+                   help="a part's time cap, replacing PART_CAPS[size] (repeatable)")
+    p.add_argument("--fault", type=_part_fault, action="append", metavar="PART=crash|hang",
+                   help="rehearsal only: make a part raise at its start, or its subprocess hang until stopped")
+    p.add_argument("--setup", metavar="TSV", help="gpu_run.sh's setup log: recorded as setup rows")
     p.add_argument("--render", metavar="JSONL", help="only write the markdown of a suite .jsonl (next to it)")
     p.add_argument("--_worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     p.add_argument("--_spec", help=argparse.SUPPRESS)
@@ -795,14 +1123,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.render:
         print(write_md(Path(args.render)))
         return 0
-    if not args.part:
-        p.error("--part is required (or --render)")
+    if bool(args.part) == bool(args.parts):
+        p.error("name the parts: --part PART or --parts A,B,... (or --render)")
+    try:
+        parts = parse_parts(args.parts) if args.parts else parse_parts(args.part)
+    except ValueError as exc:
+        p.error(f"--parts: {exc} (parts: {', '.join(PARTS_ORDER)})")
     if args.steps < 1:
         p.error("--steps must be >= 1")
+    if args.fault and SIZE_ALIASES[args.size] != "rehearse":
+        p.error("--fault is for the rehearsal only (--size rehearse)")
     s = make_suite(args)
     env = environment(s, argv)
     s.record("env", "environment", "ok", summary=env_summary(env), **env)
-    for part in PARTS_ORDER if args.part == "all" else (args.part,):
+    if args.setup:
+        record_setup(s, Path(args.setup))
+    for part in parts:
         run_part(s, part)
     print(f"rows: {s.path}\nsummary: {s.path.with_suffix('.md')}")
     print_table(s.rows)

@@ -74,6 +74,35 @@ PRESETS: dict[str, dict] = {
             {"name": "qwen2.5-32b", "d": 5120, "v": 152064, "ns": [16384, 65536]},
         ],
     },
+    # The one-call GPU run (bench/gpu_run.sh): both heads at N 4096 and 16384, fastcov's Triton path beside
+    # naive, compiled naive, Liger, CCE and verl; 4 shapes x 2 grad modes = 8 compiled graphs.
+    "gpu-run": {
+        "device": "cuda", "dtype": "bfloat16", "warmup": 2, "repeats": 5,
+        "impls": ["fastcov-triton", "naive", "naive-compile", "liger", "cce", "verl"],
+        "groups": [
+            {"name": "qwen2.5-7b", "d": 3584, "v": 152064, "ns": [4096, 16384]},
+            {"name": "qwen2.5-32b", "d": 5120, "v": 152064, "ns": [4096, 16384]},
+        ],
+    },
+    # what gpu_run.sh adds only when time is left: N 65536 (naive OOMs there on 80 GB; recorded as OOM)
+    "gpu-run-large": {
+        "device": "cuda", "dtype": "bfloat16", "warmup": 1, "repeats": 3,
+        "impls": ["fastcov-triton", "naive", "liger", "cce", "verl"],
+        "groups": [
+            {"name": "qwen2.5-7b", "d": 3584, "v": 152064, "ns": [65536]},
+            {"name": "qwen2.5-32b", "d": 5120, "v": 152064, "ns": [65536]},
+        ],
+    },
+    # gpu_run.sh --rehearse on CPU: the run's two head groups at toy sizes, fastcov's Triton path under the
+    # interpreter (the rehearsal exports TRITON_INTERPRET=1), the peers recorded as unavailable without CUDA
+    "rehearse": {
+        "device": "cpu", "dtype": "float32", "warmup": 0, "repeats": 1, "threads": 1,
+        "impls": ["fastcov-triton", "naive", "liger", "cce", "verl"],
+        "groups": [
+            {"name": "tiny-7b", "d": 32, "v": 500, "ns": [32]},
+            {"name": "tiny-32b", "d": 48, "v": 500, "ns": [32]},
+        ],
+    },
     # a seconds-long run for the smoke test
     "smoke": {
         "device": "auto", "dtype": "float32", "warmup": 1, "repeats": 2,
@@ -371,9 +400,22 @@ def run_shape(spec: dict) -> dict:
     for name, fails in guard.failed.items():
         if fails:
             _set_status(results[name], list(fails.values()), [f"{k}: {r}" for k, r in fails.items()])
+    if "fastcov-triton" in fns and device.type == "cuda":
+        results["fastcov-triton"]["autotune"] = shape_autotune_picks(spec["n"], spec["d"], spec["v"])
     inputs = calls = fns = None  # release the tensors before the allocator is emptied
     M.free_memory(device)
     return {"cases": list(results.values()), "matmul": matmul}
+
+
+def shape_autotune_picks(n: int, d: int, v: int) -> list[dict]:
+    """The configs fastcov's autotuners picked for this shape in this process (``autotune_picks``, filtered
+    to the shape's N bucket, V and D); empty when none ran (the interpreter uses fixed tiles)."""
+    try:
+        from fastcov.kernels.linear_logprob_entropy import autotune_picks, n_bucket
+    except ImportError:
+        return []
+    want = [str(n_bucket(n)), str(v), str(d)]
+    return [p for p in autotune_picks() if p["key"][:3] == want]
 
 
 def _set_status(res: dict, reasons: list[str], labelled: list[str]) -> None:
@@ -735,7 +777,7 @@ def write_results(run: dict, out_dir: Path, env: dict, date: str) -> tuple[Path,
 JSONL_KEYS = ("impl", "group", "n", "d", "v", "dtype", "status", "reason", "entropy",
               "fwd_ms", "fb_ms", "fwd_tflops", "fb_tflops", "fwd_pct_floor", "fb_pct_floor",
               "fwd_pct_matmul", "fb_pct_matmul", "fwd_peak_bytes", "fb_peak_bytes", "mem_method",
-              "speedup_fwd", "speedup_fb", "mem_ratio_fwd", "mem_ratio_fb", "check")
+              "speedup_fwd", "speedup_fb", "mem_ratio_fwd", "mem_ratio_fb", "check", "autotune")
 
 
 def jsonl_path(out_dir: Path, env: dict, date: str) -> Path:
@@ -833,6 +875,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench/results", help="results folder (default bench/results)")
     p.add_argument("--render", metavar="JSONL", help="only write the markdown of a results .jsonl (next to it)")
+    p.add_argument("--jsonl", metavar="PATH", help="append the per-case JSON lines here (default "
+                   "<out>/<device>/kernels-<date>.jsonl; gpu_run.sh puts them straight into $OUT)")
     p.add_argument("--_case", help=argparse.SUPPRESS)
     return p
 
@@ -881,7 +925,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(args.out)
     if not out_dir.is_absolute():
         out_dir = Path.cwd() / out_dir
-    lines_path = jsonl_path(out_dir, env, date)
+    lines_path = Path(args.jsonl).absolute() if args.jsonl else jsonl_path(out_dir, env, date)
     for name in names:
         started = _dt.datetime.now().isoformat(timespec="seconds")
         t0 = time.perf_counter()

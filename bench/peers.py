@@ -80,7 +80,28 @@ def _load_naive_compiled(device: torch.device) -> Fn:
     """``naive`` through ``torch.compile`` (inductor fuses the softmax/entropy epilogue; the logits stay)."""
     if not hasattr(torch, "compile"):
         raise Unavailable("this torch has no torch.compile")
+    raise_recompile_limit()
     return torch.compile(naive, dynamic=False)
+
+
+# Every benchmark shape x {no_grad, grad} is its own graph (dynamic=False): the h100 preset alone has 5 shapes,
+# 10 graphs, past torch's default recompile limit of 8, after which dynamo runs the function uncompiled
+# without a word. The limit is raised above any preset's count, and hitting it is made an error.
+RECOMPILE_LIMIT = 64
+
+
+def raise_recompile_limit(limit: int = RECOMPILE_LIMIT) -> None:
+    """Let ``naive-compile`` compile every shape of a run, and fail loudly rather than fall back to eager."""
+    import torch._dynamo.config as dynamo_config
+
+    for name in ("recompile_limit", "cache_size_limit"):  # the first is torch >= 2.6's name of the second
+        if hasattr(dynamo_config, name):
+            setattr(dynamo_config, name, max(limit, getattr(dynamo_config, name)))
+    for name in ("accumulated_recompile_limit", "accumulated_cache_size_limit"):
+        if hasattr(dynamo_config, name):
+            setattr(dynamo_config, name, max(4 * limit, getattr(dynamo_config, name)))
+    if hasattr(dynamo_config, "fail_on_recompile_limit_hit"):
+        dynamo_config.fail_on_recompile_limit_hit = True
 
 
 # --------------------------------------------------------------------------- fastcov

@@ -335,6 +335,22 @@ _forward_tuned = triton.autotune(configs=_as_configs(dict.fromkeys(_FWD_WIDE + _
 _dz_tuned = triton.autotune(configs=_as_configs(dict.fromkeys(_DZ + _FP32)), key=["N_BUCKET", "V", "D"],
                             prune_configs_by={"early_config_prune": _prune_dz})(_dz_kernel)
 
+
+
+def autotune_picks() -> list[dict]:
+    """The configs the autotuners have picked in this process, one dict per cached key: kernel name, the key
+    (N bucket, V, D[, splits], then the tensor dtypes, as Triton builds it) and the config, labelled as
+    ``bench/results/compile`` labels it (``BLOCK_N x BLOCK_V x BLOCK_D / warps, stages``)."""
+    picks = []
+    for kernel, tuner in (("_forward_kernel", _forward_tuned), ("_dz_kernel", _dz_tuned)):
+        for key, cfg in dict(getattr(tuner, "cache", {})).items():
+            meta = {k: cfg.kwargs[k] for k in ("BLOCK_N", "BLOCK_V", "BLOCK_D")}
+            picks.append({"kernel": f"linear_logprob_entropy.{kernel}", "key": [str(k) for k in key],
+                          "config": "x".join(str(v) for v in meta.values()) + f"/w{cfg.num_warps}s{cfg.num_stages}",
+                          "meta": meta, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    return picks
+
+
 # Small fixed tiles for the CPU interpreter (slow: every tile is numpy).
 INTERPRETER_TILES = {"BLOCK_N": 16, "BLOCK_V": 32, "BLOCK_D": 16}
 GROUP_N = 8

@@ -1,6 +1,7 @@
 """bench/gpu_suite.py on CPU: the parts that need CUDA or vLLM record `unavailable` rows, the kernels smoke preset
 and the tiny training run really run, every row reaches the JSONL and the markdown, a part that raises becomes an
-error row and `--part all` goes on; plus the pieces a GPU run depends on, driven with CPU stand-ins."""
+error row and `--part all` goes on; plus the pieces a GPU run depends on, driven with CPU stand-ins.
+(bench/gpu_run.sh, the one device call around it, is rehearsed in tests/test_gpu_run.py.)"""
 
 from __future__ import annotations
 
@@ -19,8 +20,10 @@ needs_cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks th
 
 
 def rows_of(out: Path) -> list[dict]:
+    """The suite's rows less the per-part timing rows."""
     (path,) = (out / "cpu").glob("suite-*.jsonl") if not torch.cuda.is_available() else out.glob("*/suite-*.jsonl")
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    return [r for r in rows if r["name"] != "part time"]
 
 
 def md_of(out: Path) -> str:
@@ -51,18 +54,18 @@ def test_correctness_and_vllm_record_unavailable_rows_on_cpu(tmp_path, capsys):
         assert name in env["versions"], name
     assert env["versions"]["torch"] == torch.__version__
     corr = [r for r in rows if r["part"] == "correctness"]
-    assert [(r["name"], r["status"], r["reason"]) for r in corr] == [
-        ("correctness_gpu", "unavailable", "needs CUDA"), ("pytest -m gpu", "unavailable", "needs CUDA")]
+    assert [(r["name"], r["status"], r["reason"]) for r in corr] == [("correctness_gpu", "unavailable", "needs CUDA")]
     (vllm,) = [r for r in rows if r["part"] == "vllm"]
     assert vllm["status"] == "unavailable"
     want = "vllm not installed" if importlib.util.find_spec("vllm") is None else "needs CUDA"
     assert vllm["reason"] == want
     assert all(r["run"] != envs[0]["run"] for r in rows if r["part"] == "vllm")
     md = md_of(tmp_path)
-    assert "## correctness" in md and "## vllm" in md and "| pytest -m gpu | unavailable | needs CUDA |" in md
+    assert "## correctness" in md and "## vllm" in md and "| correctness_gpu | unavailable | needs CUDA |" in md
     assert "torch " + torch.__version__ in md
     out = capsys.readouterr().out
-    assert out.rstrip().splitlines()[-1].split()[:3] == ["vllm", "vllm_smoke", "unavailable"]  # the table is last
+    assert out.rstrip().splitlines()[-2].split()[:3] == ["vllm", "vllm_smoke", "unavailable"]  # the table is last
+    assert out.rstrip().splitlines()[-1].split()[:3] == ["vllm", "part", "time"]
 
 
 @needs_cpu_only
@@ -70,8 +73,10 @@ def test_full_size_kernels_and_train_are_unavailable_without_cuda(tmp_path):
     assert S.main(["--part", "kernels", "--out", str(tmp_path)]) == 0
     assert S.main(["--part", "train", "--size", "1.5b", "--out", str(tmp_path)]) == 0
     got = {(r["part"], r["name"]): r for r in rows_of(tmp_path) if r["part"] != "env"}
-    assert set(got) == {("kernels", "preset h100"), ("train", "fastcov trainer"), ("train", "trl GRPOTrainer")}
-    assert all(r["status"] == "unavailable" and "needs CUDA" in r["reason"] for r in got.values())
+    assert set(got) == {("kernels", "fastcov: preset gpu-run"), ("kernels", "peers: preset gpu-run"),
+                        ("kernels", "autotune picks"), ("train", "fastcov trainer"), ("train", "trl GRPOTrainer")}
+    assert all(r["status"] == "unavailable" and ("needs CUDA" in r["reason"] or "off CUDA" in r["reason"])
+               for r in got.values())
 
 
 # ---------------------------------------------------------------- parts that really run on CPU
@@ -79,19 +84,21 @@ def test_full_size_kernels_and_train_are_unavailable_without_cuda(tmp_path):
 
 def test_kernels_smoke_runs_the_benchmark(tmp_path, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # conftest's; interpreted Triton would take half a minute
-    assert S.main(["--part", "kernels", "--size", "smoke", "--out", str(tmp_path)]) == 0
-    (row,) = [r for r in rows_of(tmp_path) if r["part"] == "kernels"]
-    assert row["status"] == "ok" and row["preset"] == "smoke" and row["size"] == "smoke"
+    assert S.main(["--part", "kernels", "--size", "smoke", "--out", str(tmp_path)]) == 1  # a fastcov row not ok
+    (row, autotune) = [r for r in rows_of(tmp_path) if r["part"] == "kernels"]
+    assert autotune["name"] == "autotune picks" and autotune["status"] == "unavailable"
+    assert row["name"] == "smoke: preset smoke" and row["preset"] == "smoke" and row["size"] == "smoke"
+    # without the interpreter the Triton path is unavailable on CPU: no pass, and the reason says which row
+    assert row["status"] == "fail" and row["reason"].startswith("fastcov-triton smoke N=128: unavailable: "), row
     lines = Path(row["results_jsonl"])
-    assert lines.is_file() and lines.parent.parent == tmp_path and Path(row["results_md"]).is_file()
-    assert Path(row["results_json"]).is_file()
+    assert lines.is_file() and lines.parent.parent == tmp_path and lines.with_suffix(".md").is_file()
     cases = [json.loads(x) for x in lines.read_text().splitlines()]
     assert row["cases"] == len(cases) > 0 and sum(row["statuses"].values()) == len(cases)
     fused = {f["impl"] for f in row["fastcov"]}
     assert "fastcov-torch" in fused
     assert all(f["fb_ms"] > 0 for f in row["fastcov"])
     assert "fastcov-torch smoke N=128: fwd+bwd" in row["summary"]
-    assert "| preset smoke | ok |" in md_of(tmp_path)
+    assert "| smoke: preset smoke | fail |" in md_of(tmp_path)
 
 
 @pytest.mark.slow
@@ -142,27 +149,27 @@ def test_a_part_that_raises_is_an_error_row_and_all_goes_on(tmp_path, monkeypatc
         return run
 
     monkeypatch.setitem(S.PARTS, "correctness", boom)
-    for part in ("kernels", "train", "vllm"):
+    for part in ("kernels", "train", "pytest", "extra"):
         monkeypatch.setitem(S.PARTS, part, fake(part))
     assert S.main(["--part", "all", "--out", str(tmp_path)]) == 1  # an error row: non-zero exit
-    assert ran == ["correctness", "kernels", "train", "vllm"]
+    assert ran == ["correctness", "kernels", "train", "pytest", "extra"]
     rows = rows_of(tmp_path)
     assert [(r["part"], r["status"]) for r in rows] == [
-        ("env", "ok"), ("correctness", "error"), ("kernels", "ok"), ("train", "ok"), ("vllm", "ok")]
+        ("env", "ok"), ("correctness", "error"), ("kernels", "ok"), ("train", "ok"), ("pytest", "ok"), ("extra", "ok")]
     err = rows[1]
     assert err["name"] == "part" and err["reason"] == "RuntimeError: injected failure"
     assert "injected failure" in err["traceback"]
     assert len({r["run"] for r in rows}) == 1
     md = md_of(tmp_path)
-    assert "| part | error | RuntimeError: injected failure |" in md and "| fake | ok | vllm done |" in md
-    table = capsys.readouterr().out.splitlines()
-    assert table[-4].split()[:3] == ["correctness", "part", "error"]
+    assert "| part | error | RuntimeError: injected failure |" in md and "| fake | ok | extra done |" in md
+    table = [line for line in capsys.readouterr().out.splitlines() if "part time" not in line]
+    assert table[-5].split()[:3] == ["correctness", "part", "error"]
 
 
 def test_a_spent_budget_skips_parts_and_subprocesses(tmp_path):
     s = suite(tmp_path, deadline=time.monotonic() + 20)  # less than a part needs
     S.run_part(s, "kernels")
-    assert [(r["part"], r["name"], r["status"]) for r in s.rows] == [("kernels", "part", "skipped")]
+    assert [(r["part"], r["name"], r["status"]) for r in s.rows] == [("kernels", "part", "not reached")]
     proc = s.run(["true"])  # 20 s left, 15 kept for the summary: 5 s at most
     assert proc.rc == 0 and not proc.timed_out
     late = suite(tmp_path, deadline=time.monotonic() + 5).run(["true"])
@@ -237,6 +244,7 @@ def test_gpu_pytest_counts_passes_and_failures(tmp_path):
     s = suite(tmp_path)
     S.gpu_pytest(s, targets=(str(tests),))
     (row,) = s.rows
+    assert row["part"] == "pytest" and row["targets"] == [str(tests)]
     assert row["status"] == "fail" and row["counts"]["passed"] == 1 and row["counts"]["failed"] == 1
     assert row["counts"]["deselected"] == 1
     assert row["failed"] == [f for f in row["failed"] if "test_broken" in f] and row["failed"]
@@ -267,3 +275,37 @@ def test_vllm_row_from_a_smoke_result(tmp_path):
     assert s.rows[-1]["status"] == "fail" and s.rows[-1]["reason"] == "failed: sync_7b_le_2s"
     S.record_vllm(s, "7b", S.Proc(1, "", "Traceback\nImportError: no vllm._C", 1.0))
     assert s.rows[-1]["status"] == "error" and "ImportError" in s.rows[-1]["reason"]
+
+
+def test_a_fatal_exit_is_recorded_with_its_message(tmp_path):
+    """correctness_gpu's die() (a missing CUDA device, fastcov not importable) used to reach the row as "exited 2"."""
+    s = suite(tmp_path)
+    S.guarded(s, "correctness", "correctness_gpu", lambda s: C.die("cannot import fastcov.linear_logprob_entropy: x"))
+    (row,) = s.rows
+    assert row["status"] == "error"
+    assert row["reason"] == "exited 2: cannot import fastcov.linear_logprob_entropy: x"
+
+
+def test_gpu_pytest_with_no_test_passed_is_no_pass(tmp_path, monkeypatch):
+    tests = tmp_path / "test_no_gpu.py"
+    tests.write_text("def test_not_gpu():\n    pass\n")
+    s = suite(tmp_path)
+    S.gpu_pytest(s, targets=(str(tests),))  # on CPU: the GPU tests would skip
+    assert (s.rows[-1]["status"], s.rows[-1]["reason"]) == ("unavailable", "needs CUDA (the GPU tests skip)")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on the GPU: none ran, so none passed
+    S.gpu_pytest(s, targets=(str(tests),))
+    assert (s.rows[-1]["status"], s.rows[-1]["reason"]) == ("fail", "no GPU test ran")
+    S.gpu_pytest(s, targets=("tests/no_such_file.py",))
+    assert (s.rows[-1]["status"], s.rows[-1]["reason"]) == ("error", "no such test file: tests/no_such_file.py")
+
+
+def test_a_train_step_row_is_written_by_the_worker_as_it_is_logged(tmp_path):
+    s = suite(tmp_path, flat=True)
+    spec = S.train_spec(s)
+    spec["ppo_epochs"] = 1
+    rec = {"step": 1, "time/step": 2.0, "time/rollout": 1.0, "time/update": 0.5, "tokens_per_s": 100.0,
+           "tokens_per_s/rollout": 300.0}
+    row = S.step_row(spec, rec)
+    assert row["name"] == "fastcov step 1" and row["run"] == "test" and row["part"] == "train" and row["warmup"]
+    assert row["update_tokens_per_s"] == pytest.approx(200.0 / 0.5) and spec["rows"]["path"] == str(s.path)
+    assert s.path == tmp_path / "run.jsonl"
