@@ -3,7 +3,7 @@
 Importing this package never imports deepspeed, vllm or transformers.
 """
 
-from fastcov import advantages, losses, metrics, selection, token_advantages
+from fastcov import advantages, correction, losses, metrics, policy_modes, selection, token_advantages
 from fastcov.advantages import (
     broadcast_to_tokens,
     dapo_filter,
@@ -28,6 +28,7 @@ from fastcov.losses import (
 )
 from fastcov.losses import register as register_policy_loss
 from fastcov.ops import LogprobEntropy, linear_logprob_entropy, logprob_entropy_from_logits
+from fastcov.correction import mismatch_metrics, off_policy_sequence_mask, rollout_correction, rollout_rejection
 from fastcov.schedules import PositiveWeightSchedule
 from fastcov.selection import select_random_in_band, select_top_covariance
 
@@ -45,6 +46,12 @@ __all__ = [
     "get_policy_loss",
     "policy_loss",
     "register_policy_loss",
+    "rollout_correction",
+    "rollout_rejection",
+    "off_policy_sequence_mask",
+    "mismatch_metrics",
+    "correction",
+    "policy_modes",
     "token_covariance",
     "token_covariance_and_keys",
     "select_top_covariance",
