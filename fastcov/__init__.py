@@ -14,6 +14,7 @@ from fastcov.advantages import (
     reinforce_pp,
     rloo,
 )
+from fastcov.correction import mismatch_metrics, off_policy_sequence_mask, rollout_correction, rollout_rejection
 from fastcov.covariance import token_covariance, token_covariance_and_keys
 from fastcov.dynamics import DynamicsConfig, DynamicsRun, TabularProblem, predicted_entropy_change, simulate
 from fastcov.law import EntropyLaw, fit_entropy_law
@@ -28,7 +29,6 @@ from fastcov.losses import (
 )
 from fastcov.losses import register as register_policy_loss
 from fastcov.ops import LogprobEntropy, linear_logprob_entropy, logprob_entropy_from_logits
-from fastcov.correction import mismatch_metrics, off_policy_sequence_mask, rollout_correction, rollout_rejection
 from fastcov.schedules import PositiveWeightSchedule
 from fastcov.selection import select_random_in_band, select_top_covariance
 

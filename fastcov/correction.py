@@ -47,7 +47,8 @@ def _check_pair(name: str, values: torch.Tensor, mask: torch.Tensor) -> torch.Te
     if values.dim() != 2:
         raise ValueError(f"{name} must be [B, T], got shape {tuple(values.shape)}")
     if not isinstance(mask, torch.Tensor) or mask.shape != values.shape:
-        raise ValueError(f"mask must have {name}'s shape {tuple(values.shape)}, got {tuple(getattr(mask, 'shape', ()))}")
+        got = tuple(getattr(mask, "shape", ()))
+        raise ValueError(f"mask must have {name}'s shape {tuple(values.shape)}, got {got}")
     if mask.is_floating_point() and not bool(((mask == 0) | (mask == 1)).all()):
         raise ValueError("mask must be bool or 0/1")
     valid = mask.bool()
@@ -237,7 +238,9 @@ def _parse_thresholds(thresholds, criteria: list[str]) -> list[tuple[float | Non
     if len(specs) == 1:
         specs = specs * len(criteria)
     if len(specs) != len(criteria):
-        raise ValueError(f"thresholds: give one for all criteria or one per criterion ({len(criteria)}), got {len(specs)}")
+        raise ValueError(
+            f"thresholds: give one for all criteria or one per criterion ({len(criteria)}), got {len(specs)}"
+        )
     bounds: list[tuple[float | None, float]] = []
     for c, spec in zip(criteria, specs):
         parts = spec.split("_")
@@ -319,14 +322,15 @@ def _rs_metrics(name, stat, seq_stat, valid, has_tokens, lo, hi) -> dict[str, to
     per_seq = _mean(stat, valid, dim=-1) if seq_stat is None else seq_stat
     seqs = per_seq[has_tokens]
     m = {f"{p}_mean": _mean(stat, valid)}
+    none = torch.zeros((), dtype=dtype, device=stat.device)
     if seq_stat is not None:
         m[f"{p}_max"], m[f"{p}_min"] = seqs.max(), seqs.min()
         m[f"{p}_fraction_high"] = (seqs > hi).to(dtype).mean()
-        m[f"{p}_fraction_low"] = (seqs < low).to(dtype).mean() if lo is not None else torch.zeros((), dtype=dtype)
+        m[f"{p}_fraction_low"] = (seqs < low).to(dtype).mean() if lo is not None else none
     else:
         m[f"{p}_max"], m[f"{p}_min"] = _max(stat, valid), _min(stat, valid)
         m[f"{p}_fraction_high"] = _mean((stat > hi).to(dtype), valid)
-        m[f"{p}_fraction_low"] = _mean((stat < low).to(dtype), valid) if lo is not None else torch.zeros((), dtype=dtype)
+        m[f"{p}_fraction_low"] = _mean((stat < low).to(dtype), valid) if lo is not None else none
     if int(valid.sum()) > 1:
         bounded = stat.clamp(min=low, max=hi)
         m[f"{p}_std"] = (_mean(bounded.square(), valid) - _mean(bounded, valid).square()).clamp(min=0.0).sqrt()
@@ -391,7 +395,9 @@ def mismatch_metrics(
     valid = _check_pair("old_logprob", old_logprob, mask)
     _check_pair("rollout_logprob", rollout_logprob, mask)
     if old_logprob.dtype != rollout_logprob.dtype:
-        raise TypeError(f"rollout_logprob must have old_logprob's dtype {old_logprob.dtype}, got {rollout_logprob.dtype}")
+        raise TypeError(
+            f"rollout_logprob must have old_logprob's dtype {old_logprob.dtype}, got {rollout_logprob.dtype}"
+        )
     with torch.no_grad():
         old = _zero(old_logprob.detach(), valid)
         rollout = _zero(rollout_logprob.detach(), valid)

@@ -114,7 +114,9 @@ class LossConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.cispo_clip_min is not None and self.cispo_clip_min > self.cispo_clip_max:
-            raise ValueError(f"cispo_clip_min must be ≤ cispo_clip_max, got {self.cispo_clip_min} > {self.cispo_clip_max}")
+            raise ValueError(
+                f"cispo_clip_min must be ≤ cispo_clip_max, got {self.cispo_clip_min} > {self.cispo_clip_max}"
+            )
         if self.dual_clip_c is not None:
             _check_real("dual_clip_c", self.dual_clip_c)
             if self.dual_clip_c <= 1.0:
@@ -563,8 +565,9 @@ def policy_loss(
             With gradient accumulation over several micro-batches, pass the precomputed selection.
         impl: covariance backend, "auto" | "triton" | "torch".
         weights: floating [B, T] per-token loss weights without gradient, e.g. the rollout correction's
-            (``fastcov.rollout_correction``, fastcov/correction.py); they multiply the mode's per-token loss after the selection
-            (which they do not change) and before the aggregation; the entropy bonus is not weighted.
+            (``fastcov.rollout_correction``, fastcov/correction.py); they multiply the mode's per-token loss
+            after the selection (which they do not change) and before the aggregation; the entropy bonus is
+            not weighted.
 
     Returns:
         (loss, metrics). loss: 0-dim tensor of logprob's dtype; an all-masked batch gives 0 with a

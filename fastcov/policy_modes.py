@@ -4,7 +4,7 @@ Per token, r = exp(logp − old_logp) (exponent bounded to ±20, as verl), sg = 
 
     cispo  ℓ = −sg(clip(r, cispo_clip_min, cispo_clip_max)) · A · logp        (MiniMax-M1; gradient sg(w)·A·∇logp)
     gspo   s = exp(sg(mean_t(logp − old_logp)) + logp − sg(logp)),  exponent capped at 10 (as verl);
-           ℓ = max(−A·s, −A·clip(s, 1 − clip_low, 1 + clip_high))           (Qwen's GSPO, token form; one sequence per row)
+           ℓ = max(−A·s, −A·clip(s, 1 − clip_low, 1 + clip_high))     (Qwen's GSPO, token form; a sequence per row)
     sapo   τ = sapo_tau_pos if A > 0 else sapo_tau_neg;  ℓ = −A · σ(τ·(r − 1)) · 4/τ   (Qwen's SAPO)
 
 ``policy_loss`` applies to them what it applies to every mode: λ± weights, the high-entropy mask, the rollout
@@ -17,15 +17,15 @@ from __future__ import annotations
 
 import torch
 
-from fastcov.losses import LossConfig, ppo_clip_terms, register
 from fastcov.correction import bounded_exp
+from fastcov.losses import LossConfig, ppo_clip_terms, register
 
 GSPO_LOG_RATIO_CAP = 10.0
 
 
 @register("cispo")
 def cispo_loss(logprob, old_logprob, advantages, selected, config: LossConfig) -> torch.Tensor:
-    """−sg(clip(r, cispo_clip_min, cispo_clip_max))·A·logp: every token keeps its gradient, scaled by a bounded weight."""
+    """−sg(clip(r, cispo_clip_min, cispo_clip_max))·A·logp: every token keeps a gradient, scaled by a bounded weight."""
     weight = bounded_exp(logprob.detach() - old_logprob).clamp(min=config.cispo_clip_min, max=config.cispo_clip_max)
     return -weight * advantages * logprob
 
