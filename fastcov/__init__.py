@@ -3,7 +3,7 @@
 Importing this package never imports deepspeed, vllm or transformers.
 """
 
-from fastcov import advantages, losses, metrics, selection, token_advantages
+from fastcov import advantages, correction, losses, metrics, policy_modes, selection, token_advantages
 from fastcov.advantages import (
     broadcast_to_tokens,
     dapo_filter,
@@ -14,6 +14,7 @@ from fastcov.advantages import (
     reinforce_pp,
     rloo,
 )
+from fastcov.correction import mismatch_metrics, off_policy_sequence_mask, rollout_correction, rollout_rejection
 from fastcov.covariance import token_covariance, token_covariance_and_keys
 from fastcov.dynamics import DynamicsConfig, DynamicsRun, TabularProblem, predicted_entropy_change, simulate
 from fastcov.law import EntropyLaw, fit_entropy_law
@@ -46,6 +47,12 @@ __all__ = [
     "get_policy_loss",
     "policy_loss",
     "register_policy_loss",
+    "rollout_correction",
+    "rollout_rejection",
+    "off_policy_sequence_mask",
+    "mismatch_metrics",
+    "correction",
+    "policy_modes",
     "token_covariance",
     "token_covariance_and_keys",
     "select_top_covariance",

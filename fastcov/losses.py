@@ -61,6 +61,8 @@ class LossConfig:
     dual_clip_c: dual-clip constant c > 1 for A < 0 (None: no dual clip). Applies to vanilla and clip_cov.
     clip_cov_ratio, clip_cov_lb, clip_cov_ub: Clip-Cov fraction and open covariance band.
     kl_cov_ratio, kl_cov_coef: KL-Cov fraction and β.
+    cispo_clip_max, cispo_clip_min: CISPO's bounds on sg(r) (min None: none); sapo_tau_pos, sapo_tau_neg:
+        SAPO's temperatures (fastcov/policy_modes.py).
     entropy_coef: entropy bonus, loss −= entropy_coef · agg(entropy) (needs ``entropy``).
     pos_adv_weight, neg_adv_weight: λ+ / λ−, per-token loss weights where A > 0 / A < 0.
     high_entropy_fraction: train only on this top fraction of valid tokens by entropy (the others
@@ -84,6 +86,12 @@ class LossConfig:
     clip_cov_ub: float = 5.0
     kl_cov_ratio: float = 2e-4
     kl_cov_coef: float = 1.0
+    # CISPO's bounds on its stop-gradient IS weight (ε_max: TRL's epsilon_high, verl's 1 + clip_ratio_high;
+    # lower: verl's 1 − clip_ratio_low, TRL has none) and SAPO's gate temperatures for A > 0 / A ≤ 0
+    cispo_clip_max: float = 5.0
+    cispo_clip_min: float | None = None
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
     entropy_coef: float = 0.0
     pos_adv_weight: float = 1.0
     neg_adv_weight: float = 1.0
@@ -99,6 +107,16 @@ class LossConfig:
             if value < 0:
                 raise ValueError(f"{name} must be ≥ 0, got {value}")
         _check_real("entropy_coef", self.entropy_coef)
+        for name in ("cispo_clip_max", "sapo_tau_pos", "sapo_tau_neg") + ("cispo_clip_min",) * (
+            self.cispo_clip_min is not None
+        ):
+            _check_real(name, getattr(self, name))
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.cispo_clip_min is not None and self.cispo_clip_min > self.cispo_clip_max:
+            raise ValueError(
+                f"cispo_clip_min must be ≤ cispo_clip_max, got {self.cispo_clip_min} > {self.cispo_clip_max}"
+            )
         if self.dual_clip_c is not None:
             _check_real("dual_clip_c", self.dual_clip_c)
             if self.dual_clip_c <= 1.0:
@@ -173,12 +191,14 @@ SelectorFn = Callable[[SelectionInputs], torch.Tensor]
 class PolicyLossMode:
     """A registered mode: ``loss(logprob, old_logprob, advantages, selected, config) -> [B, T]`` and
     optionally ``selector(SelectionInputs) -> bool [B, T]`` (``random_keys``: the selector uses the
-    fused kernel's random keys). Calling the mode calls ``loss``."""
+    fused kernel's random keys; ``sequence_ratio``: the mode's ratio is its sequence's, see ``register``).
+    Calling the mode calls ``loss``."""
 
     name: str
     loss: TokenLossFn
     selector: SelectorFn | None = None
     random_keys: bool = False
+    sequence_ratio: bool = False
 
     def __call__(self, logprob, old_logprob, advantages, selected, config):
         return self.loss(logprob, old_logprob, advantages, selected, config)
@@ -187,19 +207,28 @@ class PolicyLossMode:
 MODES: Registry[PolicyLossMode] = Registry("mode")
 
 
-def register(name: str, *, selector: SelectorFn | None = None, random_keys: bool = False, override: bool = False):
+def register(
+    name: str,
+    *,
+    selector: SelectorFn | None = None,
+    random_keys: bool = False,
+    override: bool = False,
+    sequence_ratio: bool = False,
+):
     """Decorator registering a per-token loss function as mode ``name``.
 
     The function gets sanitized [B, T] tensors (zeros on invalid tokens), ``selected`` (bool [B, T]
     from ``selector``, or None when the mode has no selector) and the ``LossConfig``, and returns the
     per-token loss [B, T]; ``policy_loss`` applies the λ weights, the high-entropy mask, the
-    aggregation and the entropy bonus.
+    aggregation and the entropy bonus. With ``sequence_ratio`` the function's ``old_logprob`` is
+    ``sg(logprob) − sg(mean over the row's valid tokens of (logprob − old_logprob))``, so that
+    ``logprob − old_logprob`` is GSPO's token-level sequence log-ratio (one sequence per row).
     """
     if not isinstance(name, str) or not name:
         raise TypeError(f"name must be a non-empty str, got {name!r}")
 
     def decorator(loss: TokenLossFn) -> TokenLossFn:
-        MODES.add(name, PolicyLossMode(name, loss, selector, random_keys), override=override)
+        MODES.add(name, PolicyLossMode(name, loss, selector, random_keys, sequence_ratio), override=override)
         return loss
 
     return decorator
@@ -507,6 +536,7 @@ def policy_loss(
     generator: torch.Generator | None = None,
     selection: "Selection | torch.Tensor | None" = None,
     impl: str = "auto",
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Policy loss of one (micro-)batch with Clip-Cov / KL-Cov / vanilla clipping and modifiers.
 
@@ -537,6 +567,10 @@ def policy_loss(
             the mini-batch selection only when each rank passes its whole mini-batch in one call.
             With gradient accumulation over several micro-batches, pass the precomputed selection.
         impl: covariance backend, "auto" | "triton" | "torch".
+        weights: floating [B, T] per-token loss weights without gradient, e.g. the rollout correction's
+            (``fastcov.rollout_correction``, fastcov/correction.py); they multiply the mode's per-token loss
+            after the selection (which they do not change) and before the aggregation; the entropy bonus is
+            not weighted.
 
     Returns:
         (loss, metrics). loss: 0-dim tensor of logprob's dtype; an all-masked batch gives 0 with a
@@ -591,7 +625,12 @@ def policy_loss(
     selected = selection.cov
     if loss_mode.selector is not None and selected is None:
         raise ValueError(f"selection.cov is required for mode {loss_mode.name!r}")
-    token_loss = loss_mode(logprob, old_logprob, advantages, selected, config)
+    mode_old_logprob = old_logprob
+    if loss_mode.sequence_ratio:
+        mode_old_logprob = _sequence_old_logprob(logprob, old_logprob, valid)
+    token_loss = loss_mode(logprob, mode_old_logprob, advantages, selected, config)
+    if weights is not None:
+        token_loss = token_loss * _sanitize(_checked_weights(weights, logprob), valid)
     if config.pos_adv_weight != 1.0 or config.neg_adv_weight != 1.0:
         ones = torch.ones_like(token_loss)
         weights = torch.where(advantages < 0, ones * config.neg_adv_weight, ones)
@@ -608,6 +647,23 @@ def policy_loss(
         logprob, old_logprob, advantages, valid, config, selection, scores, entropy, vocab_cov, impl
     )
     return loss, metrics
+
+
+def _sequence_old_logprob(logprob, old_logprob, valid) -> torch.Tensor:
+    """sg(logprob) − sg(row mean of logprob − old_logprob over valid tokens): a mode's ``old_logprob`` with
+    ``sequence_ratio`` (see ``register``)."""
+    with torch.no_grad():
+        log_ratio = torch.where(valid, logprob.detach() - old_logprob, torch.zeros_like(old_logprob))
+        mean = log_ratio.sum(-1, keepdim=True) / valid.sum(-1, keepdim=True).clamp(min=1).to(log_ratio.dtype)
+        return torch.where(valid, logprob.detach() - mean, torch.zeros_like(old_logprob))
+
+
+def _checked_weights(weights, logprob: torch.Tensor) -> torch.Tensor:
+    if not isinstance(weights, torch.Tensor) or not weights.is_floating_point():
+        raise TypeError(f"weights must be a floating tensor, got {getattr(weights, 'dtype', type(weights).__name__)}")
+    if weights.shape != logprob.shape:
+        raise ValueError(f"weights must have logprob's shape {tuple(logprob.shape)}, got {tuple(weights.shape)}")
+    return weights.detach().to(logprob.dtype)
 
 
 def _coerce_selection(selection, loss_mode, config, logprob, valid, entropy, scope) -> Selection:

@@ -446,7 +446,7 @@ def test_bad_arguments_raise_naming_them():
     logprob, old_logprob, advantages, mask, entropy = _batch(seed=22)
     args = (logprob, old_logprob, advantages, mask)
     with pytest.raises(ValueError, match="mode must be one of"):
-        policy_loss(*args, mode="gspo")
+        policy_loss(*args, mode="dppo_tv")
     with pytest.raises(ValueError, match="agg must be one of"):
         policy_loss(*args, mode="vanilla", agg="token-sum")
     with pytest.raises(ValueError, match="scope must be one of"):

@@ -36,15 +36,22 @@ RUNS = [
     # group 2 dropped (as by the DAPO filter): rank 1 holds nothing of mini-batch [1] and runs fillers
     ("clip_cov-dapo", "clip_cov", "global", 30, True, None, [0, 1, 3]),
     ("kl_cov-microbatch", "kl_cov", "microbatch", 30, False, 3, ALL),
+    # rollout correction on (sequence-level IcePop, token_k1 rejection): weights per sequence, the same split
+    ("rc-clip_cov-3mb-packed", "clip_cov", "global", 30, True, 3, ALL),
 ]
 REFERENCE = [  # 1 rank, whole batch, one micro-batch per mini-batch
     ("kl_cov-ref", "kl_cov", "global", 10_000, False, 1, ALL),
     ("clip_cov-ref", "clip_cov", "global", 10_000, False, 1, ALL),
     ("clip_cov-dapo-ref", "clip_cov", "global", 10_000, False, 1, [0, 1, 3]),
+    ("rc-clip_cov-ref", "clip_cov", "global", 10_000, False, 1, ALL),
 ]
+CORRECTION = ["algo.rollout_correction.enabled=true", "algo.rollout_correction.level=sequence",
+              "algo.rollout_correction.mode=mask", "algo.rollout_correction.clip_max=1.3",
+              "algo.rollout_correction.clip_min=0.75", "algo.rollout_correction.rejection=token_k1",
+              "algo.rollout_correction.rejection_threshold=1.15"]
 
 
-def _config(mode, scope, budget, packing):
+def _config(mode, scope, budget, packing, extra=()):
     from fastcov.trainer.config import load_config
 
     return load_config(ROOT / "configs" / "tiny.yaml", [
@@ -54,7 +61,7 @@ def _config(mode, scope, budget, packing):
         # the tiny model's covariances are small: a wide band, and 10% of the tokens
         "algo.clip_cov_ratio=0.1", "algo.clip_cov_lb=-5.0", "algo.clip_cov_ub=5.0", "algo.kl_cov_ratio=0.1",
         # Adam's eps well above rounding noise keeps the update a smooth function of the gradient
-        "optim.lr=1e-2", "optim.eps=1e-3",
+        "optim.lr=1e-2", "optim.eps=1e-3", *extra,
     ])
 
 
@@ -97,6 +104,8 @@ def _rollouts(path: Path):
             (mb,) = micro_batches([s], 10_000, tok.pad_token_id, torch.device("cpu"))
             row, start, n = mb.spans[0]
             s.old_logprob = policy(**mb.model_inputs()).logprob[row, start : start + n].tolist()
+            # a rollout engine that is not the policy (used by the rc- runs only)
+            s.sample_logprob = [x + rng.gauss(0.0, 0.08) for x in s.old_logprob]
     torch.save(seqs, path)
 
 
@@ -129,7 +138,7 @@ def _run_all(rank: int, world: int, out_dir: Path, runs) -> None:
     train_mod.compute_global_selection, train_mod.micro_batches = spy_select, spy_micro
     try:
         for name, mode, scope, budget, packing, _, kept in runs:
-            cfg = _config(mode, scope, budget, packing)
+            cfg = _config(mode, scope, budget, packing, CORRECTION if name.startswith("rc-") else ())
             tok = load_tokenizer(cfg.model)
             engine = DeepSpeedPolicy(PolicyModel(_fresh_lm(cfg, tok)), cfg, device, world)
             before = {n: p.detach().clone() for n, p in engine.policy.lm.named_parameters()}
@@ -137,6 +146,9 @@ def _run_all(rank: int, world: int, out_dir: Path, runs) -> None:
             n_micro.clear()
             gen = torch.Generator().manual_seed(123 + 1000 * rank)  # only rank 0's draw may matter
             seqs = [copy.deepcopy(s) for s in mine if s.group in kept]
+            if name.startswith("rc-"):
+                train_mod.correct_rollouts(seqs, cfg, device)
+                assert any(w == 0 for s in seqs for w in s.rollout_weight)  # something is masked or rejected
             stats = train_mod.update_policy(engine, seqs, list(kept), cfg,
                                             _loss_config(cfg), cfg.optim.lr, tok.pad_token_id, device, gen)
             delta = {n: (p.detach() - before[n]) for n, p in engine.policy.lm.named_parameters()}
@@ -186,7 +198,8 @@ def _max_delta_diff(a, b) -> float:
 @pytest.mark.parametrize("run", [r for r in RUNS if r[2] == "global"], ids=lambda r: r[0])
 def test_two_ranks_select_and_update_like_one(results, run):
     name, mode, _, _, _, split, kept = run
-    (ref,) = _load(results, f"{mode}-dapo-ref" if kept != ALL else f"{mode}-ref", 1)
+    prefix = "rc-" if name.startswith("rc-") else ""
+    (ref,) = _load(results, f"{prefix}{mode}-dapo-ref" if kept != ALL else f"{prefix}{mode}-ref", 1)
     ranks = _load(results, name, 2)
     assert ref["applied"] == 4 and all(r["applied"] == 4 for r in ranks)  # 2 epochs x 2 mini-batches
     assert ref["n_micro"] == [1] * 4
@@ -203,6 +216,15 @@ def test_two_ranks_select_and_update_like_one(results, run):
     assert scale > 1e-3  # the parameters moved
     for r in ranks:
         assert _max_delta_diff(r["delta"], ref["delta"]) < 1e-6
+
+
+@pytest.mark.slow
+def test_the_rollout_weights_leave_the_selection_and_change_the_update(results):
+    (plain,) = _load(results, "clip_cov-ref", 1)
+    (corrected,) = _load(results, "rc-clip_cov-ref", 1)
+    # the first mini-batch selects before any update: the same tokens (later ones follow different policies)
+    assert torch.equal(plain["selections"][0], corrected["selections"][0])
+    assert _max_delta_diff(plain["delta"], corrected["delta"]) > 1e-4
 
 
 @pytest.mark.slow

@@ -163,6 +163,26 @@ class PrimeConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """algo.rollout_correction: importance weights π_old/π_rollout on the loss of every mode, rejection and the
+    off-policy sequence mask (fastcov/correction.py; verl's algorithm.rollout_correction, TRL's
+    vllm_importance_sampling_*; docs/trainer.md, "Rollout correction")."""
+
+    # null: on with a vLLM rollout (another sampler than the policy), off with the built-in HF engine (it samples
+    # from the policy itself: the weights would be 1 up to rounding)
+    enabled: bool | None = None
+    level: Literal["token", "sequence"] = "token"  # verl's rollout_is; TRL's token_* / sequence_*
+    mode: Literal["truncate", "mask"] = "truncate"  # clamp (TIS) or zero (IcePop) outside [clip_min, clip_max]
+    clip_max: float = 2.0
+    clip_min: float | None = None
+    # verl's rollout_rs / rollout_rs_threshold: "token_k1,seq_mean_k3" with "0.5_2.0,0.01" (null: no rejection)
+    rejection: str | None = None
+    rejection_threshold: str | float | None = None
+    # TRL's off_policy_mask_threshold (DeepSeek-V3.2): drop the A < 0 tokens of sequences whose mean KL > this
+    off_policy_mask_threshold: float | None = None
+
+
+@dataclass
 class AlgoConfig:
     # prime: outcome + implicit process rewards, token-level (algo.prime); reinforce_pp with algo.kl_coef > 0:
     # REINFORCE++ with its token-level KL penalty (trainer/token_level/advantages.py).
@@ -172,6 +192,7 @@ class AlgoConfig:
     # added at the last token, returns summed to the end and normalised over the batch's tokens. 0 = off.
     kl_coef: float = 0.0
     prime: PrimeConfig = field(default_factory=PrimeConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     mode: str = "vanilla"  # a name in fastcov.losses.MODES: vanilla, clip_cov, kl_cov, or one registered
     loss_agg: Literal[
         "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
@@ -189,6 +210,11 @@ class AlgoConfig:
     clip_cov_ub: float = LossConfig.clip_cov_ub
     kl_cov_ratio: float = LossConfig.kl_cov_ratio
     kl_cov_coef: float = LossConfig.kl_cov_coef
+    # CISPO's bounds on its stop-gradient weight (ε_max 5.0 as ScaleRL/TRL) and SAPO's temperatures (A > 0 / A ≤ 0)
+    cispo_clip_max: float = LossConfig.cispo_clip_max
+    cispo_clip_min: float | None = LossConfig.cispo_clip_min
+    sapo_tau_pos: float = LossConfig.sapo_tau_pos
+    sapo_tau_neg: float = LossConfig.sapo_tau_neg
     entropy_coef: float = LossConfig.entropy_coef
     pos_adv_weight: float = LossConfig.pos_adv_weight
     neg_adv_weight: float = LossConfig.neg_adv_weight
@@ -597,7 +623,49 @@ def validate(cfg: Config) -> Config:
     _validate_rollout_reward(cfg.rollout, cfg)
     _validate_algo(cfg.algo, cfg.rollout, cfg.trainer)
     _validate_optim_trainer(cfg.optim, cfg.trainer)
+    _validate_rollout_correction(cfg)
     return cfg
+
+
+def rollout_correction_enabled(cfg: Config) -> bool:
+    """Whether the run corrects for its rollout engine: algo.rollout_correction.enabled, or by default with vLLM."""
+    on = cfg.algo.rollout_correction.enabled
+    return cfg.rollout.engine != "hf" if on is None else on
+
+
+# modes outside the PPO-clip family (fastcov/policy_modes.py): what does not apply to them
+SELECTION_FREE_MODES = ("cispo", "gspo", "sapo")
+
+
+def _validate_rollout_correction(cfg: Config) -> None:
+    rc, a = cfg.algo.rollout_correction, cfg.algo
+    _check(rc.clip_max > 0, "algo.rollout_correction.clip_max", f"must be a ratio > 0, got {rc.clip_max}")
+    _check(rc.clip_min is None or 0 < rc.clip_min <= rc.clip_max, "algo.rollout_correction.clip_min",
+           f"must be in (0, clip_max], got {rc.clip_min}")
+    _check((rc.rejection is None) == (rc.rejection_threshold is None), "algo.rollout_correction.rejection_threshold",
+           "set both rejection and rejection_threshold, or neither")
+    if rc.rejection is not None:
+        import torch
+
+        from fastcov.correction import rollout_rejection
+
+        try:  # the library's own parser, on a one-token batch
+            rollout_rejection(torch.zeros(1, 1), torch.ones(1, 1, dtype=torch.bool), rc.rejection,
+                              rc.rejection_threshold)
+        except (ValueError, TypeError) as exc:
+            key = "rejection" if "criteria" in str(exc) else "rejection_threshold"
+            raise ConfigError(f"algo.rollout_correction.{key}: {exc}") from None
+    for name in ("cispo_clip_max", "sapo_tau_pos", "sapo_tau_neg"):
+        _check(getattr(a, name) > 0, f"algo.{name}", f"must be > 0, got {getattr(a, name)}")
+    _check(a.cispo_clip_min is None or 0 < a.cispo_clip_min <= a.cispo_clip_max, "algo.cispo_clip_min",
+           "must be in (0, cispo_clip_max]")
+    _check(rc.off_policy_mask_threshold is None or rc.off_policy_mask_threshold >= 0,
+           "algo.rollout_correction.off_policy_mask_threshold", "must be >= 0")
+    if a.mode in SELECTION_FREE_MODES:
+        _check(a.dual_clip_c is None, "algo.dual_clip_c",
+               f"the dual clip bounds PPO's clipped loss for A < 0; algo.mode={a.mode} has no such loss (set null)")
+        _check(a.mode != "gspo" or not cfg.trainer.packing, "trainer.packing",
+               "GSPO's ratio is a mean over each sequence and the loss sees one sequence per row: set packing false")
 
 
 # ----------------------------------------------------------------------------------------------- loading

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from fastcov.advantages import dapo_filter, get_advantage
 from fastcov.errors import UserError, one_line
 from fastcov.losses import LossConfig, Selection, compute_global_selection, get_policy_loss, policy_loss
-from fastcov.trainer.config import Config, ConfigError, positive_weight_schedule
+from fastcov.trainer.config import Config, ConfigError, positive_weight_schedule, rollout_correction_enabled
 from fastcov.trainer.data.loading import PromptSampler, load_train_val, prepare_data
 from fastcov.trainer.evaluation import evaluate
 from fastcov.trainer.rewards import REWARD_TASKS, RewardFn  # noqa: F401 - RewardFn: the name tests patch
@@ -123,6 +123,8 @@ def loss_config(a, pos_adv_weight: float) -> LossConfig:
         kl_cov_ratio=a.kl_cov_ratio, kl_cov_coef=a.kl_cov_coef, entropy_coef=a.entropy_coef,
         pos_adv_weight=pos_adv_weight, neg_adv_weight=a.neg_adv_weight,
         high_entropy_fraction=a.high_entropy_fraction, cov_score=a.cov_score,
+        cispo_clip_max=a.cispo_clip_max, cispo_clip_min=a.cispo_clip_min, sapo_tau_pos=a.sapo_tau_pos,
+        sapo_tau_neg=a.sapo_tau_neg,
         check_finite=False,  # a non-finite loss skips the step instead of raising
     )
 
@@ -178,6 +180,70 @@ def compute_old_logprobs(engine, seqs: list[Sequence], cfg: Config, pad_id: int,
                 lp_diff_max = max(lp_diff_max, float(gap.max())) if n else lp_diff_max
                 tok_sum += n
     return ent_sum, tok_sum, lp_diff, lp_diff_max
+
+
+def correct_rollouts(seqs: list[Sequence], cfg: Config, device: torch.device) -> dict[str, float]:
+    """Step 4b (algo.rollout_correction): each sequence's ``rollout_weight`` from its ``old_logprob`` against the
+    rollout's ``sample_logprob``: the importance weights, times 0 where rejection or the off-policy sequence mask
+    drop a token. Returns the ``rollout_corr/*`` metrics (verl's names) over all ranks: token-weighted means of
+    the ranks' values, and the maximum / minimum of the ranks' ``*_max`` / ``*_min``. Every rank must call it.
+
+    The weights are per sequence (no statistic crosses sequences), so they do not depend on the number of ranks
+    or the micro-batch split, and they multiply the per-token loss after the Clip-Cov/KL-Cov selection: they do
+    not change which tokens are selected (a rejected token stays in the denominators and may be selected).
+    """
+    from fastcov.correction import mismatch_metrics, off_policy_sequence_mask, rollout_correction, rollout_rejection
+
+    rc = cfg.algo.rollout_correction
+    width = max((len(s.response) for s in seqs), default=0)
+    n_tokens = sum(len(s.response) for s in seqs)
+    if n_tokens:
+        per_seq = sequence_tensors(seqs, width, device)
+        mask, old = per_seq["mask"], per_seq["old_logprob"].double()
+        sampled = torch.zeros_like(old)
+        for i, s in enumerate(seqs):
+            sampled[i, : len(s.sample_logprob)] = torch.tensor(s.sample_logprob, dtype=torch.float64)
+    else:  # no token on this rank: a neutral one-token batch keeps the metric names and the collectives in step
+        mask, old, sampled = torch.ones((1, 1), dtype=torch.bool), torch.zeros((1, 1)), torch.zeros((1, 1))
+        per_seq = {"advantages": torch.zeros((1, 1))}
+    log_ratio = old - sampled
+    weights, metrics = rollout_correction(log_ratio, mask, level=rc.level, mode=rc.mode, clip_max=rc.clip_max,
+                                          clip_min=rc.clip_min)
+    if rc.rejection is not None:
+        keep, rs_metrics = rollout_rejection(log_ratio, mask, rc.rejection, rc.rejection_threshold)
+        weights, metrics = weights * keep, {**metrics, **rs_metrics}
+    if rc.off_policy_mask_threshold is not None:
+        keep, op_metrics = off_policy_sequence_mask(log_ratio, per_seq["advantages"].to(log_ratio.dtype), mask,
+                                                    rc.off_policy_mask_threshold)
+        weights, metrics = weights * keep, {**metrics, **op_metrics}
+    metrics.update(mismatch_metrics(old, sampled, mask))
+    if n_tokens:
+        for i, s in enumerate(seqs):
+            s.rollout_weight = weights[i, : len(s.response)].float().tolist()
+    names = sorted(metrics)
+    values = [float(metrics[k]) for k in names]
+    sums = all_sum([n_tokens] + [v * n_tokens for v in values], device)
+    highs = all_reduce_(torch.tensor([v if k.endswith("_max") else -math.inf for k, v in zip(names, values)],
+                                     dtype=torch.float64, device=device), "max").tolist()
+    lows = all_reduce_(torch.tensor([-v if k.endswith("_min") else -math.inf for k, v in zip(names, values)],
+                                    dtype=torch.float64, device=device), "max").tolist()
+    out = {}
+    for k, total, high, low in zip(names, sums[1:], highs, lows):
+        value = high if k.endswith("_max") else -low if k.endswith("_min") else total / max(sums[0], 1)
+        out[f"rollout_corr/{k}"] = value
+    return out
+
+
+def mini_batch_weights(mini: list[Sequence], device: torch.device) -> torch.Tensor | None:
+    """The rollout weights of a mini-batch in the per-sequence layout [S, T] (``MicroBatch.from_sequences``
+    maps them to a micro-batch); None when the run does not correct its rollouts."""
+    if not mini or any(s.rollout_weight is None for s in mini):
+        return None
+    out = torch.zeros((len(mini), max(1, max(len(s.response) for s in mini))), device=device)
+    for i, s in enumerate(mini):
+        weight = s.rollout_weight or []
+        out[i, : len(weight)] = torch.tensor(weight, device=device)
+    return out
 
 
 def mini_batch_selection(engine, mini: list[Sequence], mbs: list[MicroBatch], cfg: Config, loss_cfg: LossConfig,
@@ -272,7 +338,7 @@ def update_policy(engine, seqs: list[Sequence], kept_groups: list[int], cfg: Con
             local_tok = sum(len(s.response) for s in mini)
             g_tok, g_seq = all_sum([local_tok, len(mini)], device)
             mbs = micro_batches(mini, pad_id=pad_id, device=device, **batching(cfg, engine))
-            selection = None
+            selection, rollout_weights = None, mini_batch_weights(mini, device)
             if global_scope and needs_selection:
                 selection = mini_batch_selection(engine, mini, mbs, cfg, loss_cfg, device, generator, group,
                                                  reuse_old=epoch == 0 and m == 0)
@@ -291,6 +357,7 @@ def update_policy(engine, seqs: list[Sequence], kept_groups: list[int], cfg: Con
                     mode=a.mode, agg=a.loss_agg, scope=a.scope, config=loss_cfg,
                     entropy=res.entropy, vocab_cov=res.vocab_cov, group=group,
                     global_tokens=g_tok, global_seqs=g_seq, generator=generator, selection=mb_selection,
+                    weights=None if rollout_weights is None else mb.from_sequences(rollout_weights),
                 )
                 # Divided by the mini-batch totals over all ranks, the micro-batch losses sum to the
                 # mini-batch loss; DeepSpeed averages gradients over ranks, hence the world factor.
@@ -736,6 +803,8 @@ def score_and_update(run: Run, col: Collected, rec: dict) -> tuple[UpdateStats, 
         t0 = time.perf_counter()
         rec.update(run.token_adv.apply(col.seqs, pad_id, run.device, batching(cfg, run.engine)))
         times["token_rewards"] = time.perf_counter() - t0
+    if rollout_correction_enabled(cfg):
+        rec.update(correct_rollouts(col.seqs, cfg, run.device))
     t0 = time.perf_counter()
     rec["lambda"] = run.lam_sched.value if run.lam_sched is not None else a.pos_adv_weight
     lr = lr_at(run.engine.steps, cfg.optim, cfg.trainer.max_steps * a.ppo_epochs * a.mini_batches)

@@ -42,6 +42,9 @@ class Sequence:
     # Per-response-token advantages (REINFORCE++ with its KL penalty, PRIME); when set they replace
     # ``advantage`` token by token.
     token_advantages: list[float] | None = None
+    # Per-response-token loss weights of the rollout correction (algo.rollout_correction), set after
+    # ``old_logprob``; None: no correction.
+    rollout_weight: list[float] | None = None
 
     def __len__(self) -> int:
         return len(self.prompt) + len(self.response)

@@ -1,0 +1,49 @@
+"""CISPO, GSPO and SAPO: policy-loss modes beside vanilla / Clip-Cov / KL-Cov, in the same registry.
+
+Per token, r = exp(logp − old_logp) (exponent bounded to ±20, as verl), sg = stop-gradient:
+
+    cispo  ℓ = −sg(clip(r, cispo_clip_min, cispo_clip_max)) · A · logp        (MiniMax-M1; gradient sg(w)·A·∇logp)
+    gspo   s = exp(sg(mean_t(logp − old_logp)) + logp − sg(logp)),  exponent capped at 10 (as verl);
+           ℓ = max(−A·s, −A·clip(s, 1 − clip_low, 1 + clip_high))     (Qwen's GSPO, token form; a sequence per row)
+    sapo   τ = sapo_tau_pos if A > 0 else sapo_tau_neg;  ℓ = −A · σ(τ·(r − 1)) · 4/τ   (Qwen's SAPO)
+
+``policy_loss`` applies to them what it applies to every mode: λ± weights, the high-entropy mask, the rollout
+correction's ``weights``, the aggregation and the entropy bonus. They select no tokens, so Clip-Cov / KL-Cov (a
+selection inside a mode) is not combined with them, and ``dual_clip_c`` does not apply (the trainer refuses both
+combinations in one line). Registered on ``import fastcov``. docs/design.md §4.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastcov.correction import bounded_exp
+from fastcov.losses import LossConfig, ppo_clip_terms, register
+
+GSPO_LOG_RATIO_CAP = 10.0
+
+
+@register("cispo")
+def cispo_loss(logprob, old_logprob, advantages, selected, config: LossConfig) -> torch.Tensor:
+    """−sg(clip(r, cispo_clip_min, cispo_clip_max))·A·logp: every token keeps a gradient, scaled by a bounded weight."""
+    weight = bounded_exp(logprob.detach() - old_logprob).clamp(min=config.cispo_clip_min, max=config.cispo_clip_max)
+    return -weight * advantages * logprob
+
+
+@register("gspo", sequence_ratio=True)
+def gspo_loss(logprob, old_logprob, advantages, selected, config: LossConfig) -> torch.Tensor:
+    """PPO clip on the sequence ratio s (``old_logprob`` arrives as the sequence form, see ``register``)."""
+    ratio = torch.exp((logprob - old_logprob).clamp(max=GSPO_LOG_RATIO_CAP))
+    unclipped, clipped = ppo_clip_terms(ratio, advantages, config)
+    return torch.maximum(unclipped, clipped)
+
+
+@register("sapo")
+def sapo_loss(logprob, old_logprob, advantages, selected, config: LossConfig) -> torch.Tensor:
+    """−A·σ(τ(r − 1))·4/τ: a smooth gate in place of the clip, sharper (τ_neg > τ_pos) for A ≤ 0."""
+    ratio = bounded_exp(logprob - old_logprob)
+    tau = torch.where(advantages > 0, config.sapo_tau_pos, config.sapo_tau_neg).to(ratio.dtype)
+    return -advantages * torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
+
+
+__all__ = ["cispo_loss", "gspo_loss", "sapo_loss"]
