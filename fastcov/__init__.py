@@ -8,6 +8,7 @@ from fastcov.advantages import (
     broadcast_to_tokens,
     dapo_filter,
     dr_grpo,
+    entropy_advantage,
     get_advantage,
     grpo,
     register_advantage,
@@ -16,6 +17,7 @@ from fastcov.advantages import (
 )
 from fastcov.covariance import token_covariance, token_covariance_and_keys
 from fastcov.dynamics import DynamicsConfig, DynamicsRun, TabularProblem, predicted_entropy_change, simulate
+from fastcov.entropy_control import EntropyController, all_rank_entropy
 from fastcov.law import EntropyLaw, fit_entropy_law
 from fastcov.losses import (
     LossConfig,
@@ -57,7 +59,10 @@ __all__ = [
     "reinforce_pp",
     "dapo_filter",
     "broadcast_to_tokens",
+    "entropy_advantage",
     "PositiveWeightSchedule",
+    "EntropyController",
+    "all_rank_entropy",
     "EntropyLaw",
     "fit_entropy_law",
     "predicted_entropy_change",
