@@ -470,6 +470,10 @@ class FastcovGRPOTrainer(GRPOTrainer):
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
+        self._fastcov_load_control(checkpoint)
+
+    def _fastcov_load_control(self, checkpoint) -> None:
+        """The controller's state from checkpoint directory ``checkpoint`` (if it holds one)."""
         if self._fastcov_ctl is not None and checkpoint is not None:
             path = os.path.join(checkpoint, _CONTROL_FILE)
             if os.path.exists(path):
