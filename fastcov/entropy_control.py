@@ -43,6 +43,7 @@ bit-identical values.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -50,7 +51,7 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
-__all__ = ["EntropyController", "KNOBS", "RULES", "Knob", "all_rank_entropy"]
+__all__ = ["EntropyController", "KNOBS", "LOSS_FIELDS", "RULES", "Knob", "all_rank_entropy", "controlled"]
 
 RULES = ("step", "proportional")
 
@@ -77,6 +78,9 @@ KNOBS: dict[str, Knob] = {
     "clip_cov_ratio": Knob(+1, None, 0.0, 1.0, low_open=True, default_min=1e-5),
     "pos_weight": Knob(-1, 1.0, 0.0, 1.0),
 }
+# the fastcov.losses.LossConfig field each knob sets
+LOSS_FIELDS = {"entropy_coef": "entropy_coef", "kl_cov_coef": "kl_cov_coef", "kl_cov_ratio": "kl_cov_ratio",
+               "clip_cov_ratio": "clip_cov_ratio", "pos_weight": "pos_adv_weight"}
 _CONFIG_KEYS = ("target", "knob", "rule", "init", "delta", "gain", "min", "max", "gate", "inclusive")
 
 
@@ -250,6 +254,14 @@ class EntropyController:
 
     def __repr__(self) -> str:
         return f"EntropyController({self.config()!r}, value={self.value:g}, updates={self.updates})"
+
+
+def controlled(loss_config, controller: EntropyController | None):
+    """``loss_config`` (a ``fastcov.losses.LossConfig``) with the controller's knob set to ``controller.applied``;
+    ``loss_config`` itself when ``controller`` is None."""
+    if controller is None:
+        return loss_config
+    return dataclasses.replace(loss_config, **{LOSS_FIELDS[controller.knob]: controller.applied})
 
 
 def all_rank_entropy(entropy_sum: float | torch.Tensor, token_count: float | torch.Tensor, group=None,

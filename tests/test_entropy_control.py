@@ -10,6 +10,7 @@ import os
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from _dist import free_port, shutdown_process_group, spawn_ranks
@@ -233,3 +234,16 @@ def test_entropy_advantage_bad_arguments(kwargs, word):
         fastcov.entropy_advantage(torch.zeros(2, 3), torch.zeros(2, 3), **args)
     with pytest.raises(ValueError, match="one shape"):
         fastcov.entropy_advantage(torch.zeros(2, 3), torch.zeros(2, 4), alpha=0.1, kappa=2.0)
+
+
+def test_the_controller_bench_runs_in_the_simulators_loop(tmp_path):
+    from bench import entropy_controllers as B
+
+    assert B.settle_step(np.array([3.0, 1.2, 1.0, 1.05]), 1.0) == 2.0
+    assert math.isnan(B.settle_step(np.array([1.0, 1.0, 3.0]), 1.0))
+    assert B.main(["--steps", "12", "--seeds", "0", "--target", "2.0", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "entropy-controllers-tabular.json").read_text())
+    assert {(r["knob"], r["rule"]) for r in doc["rows"]} == {(k, r) for k in KNOBS for r in ("step", "proportional")}
+    moved = {r["knob"]: r["final_value"] for r in doc["rows"] if r["rule"] == "step"}
+    assert moved["entropy_coef"] == pytest.approx(0.0)  # H > target all along: the bonus stays at its floor
+    assert moved["kl_cov_coef"] < 1.0  # and β falls from its start

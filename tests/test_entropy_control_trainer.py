@@ -136,3 +136,14 @@ def test_bad_config_names_the_key(over, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as info:
         load_config(TINY, over)
     assert "\n" not in str(info.value)
+
+
+def test_the_controllers_study_loads_every_arm():
+    """configs/studies/controllers.yaml (make study-controllers): every arm is a valid run config."""
+    from fastcov.trainer.experiments.study import load_study
+
+    study = load_study(ROOT / "configs" / "studies" / "controllers.yaml")
+    for name, over in study["arms"].items():
+        cfg = load_config(ROOT / "configs" / "demo.yaml", list(study["common"]) + list(over))
+        assert (cfg.algo.entropy_control.target is not None) == ("entropy_control" in " ".join(over)), name
+        assert entropy_control.start(cfg.algo, rank=1) is None or cfg.algo.entropy_control.target == 0.25

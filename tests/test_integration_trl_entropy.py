@@ -151,3 +151,17 @@ def test_controller_on_kl_cov_coef_trains_logs_and_checkpoints(tmp_path):
                          fastcov_entropy_control=control)
     fresh._fastcov_load_control(str(tmp_path / "checkpoint-2"))
     assert fresh._fastcov_ctl.state_dict() == ctl.state_dict()
+
+
+def test_on_policy_kl_cov_warns_in_one_line(tmp_path):
+    import warnings
+
+    from test_integration_trl import make_args
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_args(tmp_path, fastcov_loss_mode="kl_cov")
+        make_args(tmp_path, fastcov_loss_mode="kl_cov", steps_per_generation=2)
+        make_args(tmp_path, fastcov_loss_mode="clip_cov")
+    msgs = [str(w.message) for w in caught if "KL-Cov" in str(w.message)]
+    assert len(msgs) == 1 and "\n" not in msgs[0] and "num_iterations" in msgs[0]

@@ -10,19 +10,15 @@ entropy per response token over all ranks, the ``entropy`` metric) and moves the
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 
 import torch
 
 from fastcov.advantages import entropy_advantage
 from fastcov.entropy_control import EntropyController
+from fastcov.entropy_control import controlled as controlled_loss_config
 from fastcov.losses import LossConfig
 from fastcov.trainer.config import AlgoConfig, entropy_controller
-
-# the LossConfig field each knob sets
-LOSS_FIELDS = {"entropy_coef": "entropy_coef", "kl_cov_coef": "kl_cov_coef", "kl_cov_ratio": "kl_cov_ratio",
-               "clip_cov_ratio": "clip_cov_ratio", "pos_weight": "pos_adv_weight"}
 
 
 def kl_cov_on_policy_message(a: AlgoConfig) -> str | None:
@@ -45,9 +41,7 @@ def start(a: AlgoConfig, rank: int) -> EntropyController | None:
 
 def controlled(loss_cfg: LossConfig, ctl: EntropyController | None) -> LossConfig:
     """``loss_cfg`` with the controlled knob set to the controller's applied value (unchanged without one)."""
-    if ctl is None:
-        return loss_cfg
-    return dataclasses.replace(loss_cfg, **{LOSS_FIELDS[ctl.knob]: ctl.applied})
+    return controlled_loss_config(loss_cfg, ctl)
 
 
 def after_step(ctl: EntropyController | None, entropy: float, rec: dict) -> None:

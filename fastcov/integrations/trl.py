@@ -77,6 +77,7 @@ import functools
 import json
 import math
 import os
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -176,6 +177,13 @@ class FastcovGRPOConfig(GRPOConfig):
             )
         self.fastcov_loss_config()  # LossConfig validates the ratios, the band and β, naming them
         self.fastcov_entropy_controller()  # the controller validates its options, naming them
+        if (self.fastcov_loss_mode == "kl_cov" and self.num_iterations == 1
+                and self.steps_per_generation == self.gradient_accumulation_steps):
+            warnings.warn(
+                "fastcov_loss_mode='kl_cov' with num_iterations=1 and steps_per_generation == "
+                "gradient_accumulation_steps: each rollout batch is one optimizer step from the rollout policy, so "
+                "KL-Cov's penalty beta*|log ratio| is 0 (no-op); raise num_iterations or steps_per_generation",
+                stacklevel=2)
 
     def fastcov_entropy_controller(self) -> EntropyController | None:
         """The target-entropy controller of ``use_adaptive_entropy`` (TRL's) or ``fastcov_entropy_control``, or None.
