@@ -19,6 +19,7 @@ from fastcov.entropy_control import EntropyController
 from fastcov.entropy_control import controlled as controlled_loss_config
 from fastcov.losses import LossConfig
 from fastcov.trainer.config import AlgoConfig, entropy_controller
+from fastcov.trainer.runtime.distributed import all_sum
 
 
 def kl_cov_on_policy_message(a: AlgoConfig) -> str | None:
@@ -55,10 +56,12 @@ def after_step(ctl: EntropyController | None, entropy: float, rec: dict) -> None
     ctl.update(entropy)
 
 
-def shape_advantages(seqs, a: AlgoConfig) -> dict:
+def shape_advantages(seqs, a: AlgoConfig, device: torch.device | None = None) -> dict:
     """Cheng et al.'s A_t ← A_t + min(α·H_t, |A_t|/κ) on every sequence, H_t its rollout-time entropy (``old_entropy``,
-    the policy before the update: the current policy of the first mini-batch). Sets ``token_advantages``. Returns
-    the rank's sums for the ``entropy_advantage/bonus`` metric: {"bonus_sum", "tokens"}."""
+    the policy before the update: the current policy of the first mini-batch). Sets ``token_advantages``.
+
+    Returns ``{"entropy_advantage/bonus": mean bonus per response token}``, over all ranks when ``device`` is given
+    (then every rank must call it), else over ``seqs``."""
     e = a.entropy_advantage
     bonus = tokens = 0.0
     for s in seqs:
@@ -73,4 +76,6 @@ def shape_advantages(seqs, a: AlgoConfig) -> dict:
         bonus += float((shaped - adv).sum())
         tokens += len(s.response)
         s.token_advantages = shaped.tolist()
-    return {"bonus_sum": bonus, "tokens": tokens}
+    if device is not None:
+        bonus, tokens = all_sum([bonus, tokens], device)
+    return {"entropy_advantage/bonus": bonus / max(tokens, 1)}

@@ -743,10 +743,8 @@ def score_and_update(run: Run, col: Collected, rec: dict) -> tuple[UpdateStats, 
         t0 = time.perf_counter()
         rec.update(run.token_adv.apply(col.seqs, pad_id, run.device, batching(cfg, run.engine)))
         times["token_rewards"] = time.perf_counter() - t0
-    if shaping:
-        b = entropy_control.shape_advantages(col.seqs, a)
-        b_sum, b_n = all_sum([b["bonus_sum"], b["tokens"]], run.device)
-        rec["entropy_advantage/bonus"] = b_sum / max(b_n, 1)
+    if shaping:  # A_t + min(alpha * H_t, |A_t| / kappa); logs entropy_advantage/bonus
+        rec.update(entropy_control.shape_advantages(col.seqs, a, run.device))
     t0 = time.perf_counter()
     rec["lambda"] = run.lam_sched.value if run.lam_sched is not None else a.pos_adv_weight
     lr = lr_at(run.engine.steps, cfg.optim, cfg.trainer.max_steps * a.ppo_epochs * a.mini_batches)
