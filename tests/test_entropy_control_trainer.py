@@ -1,6 +1,7 @@
 """The trainer's entropy controls: algo.entropy_control (checkpointed, logged, resumed bit-exact),
 algo.entropy_advantage (Cheng et al.'s shaping), the one-line warning for on-policy KL-Cov, their config errors."""
 
+import math
 import os
 import warnings
 from pathlib import Path
@@ -148,3 +149,47 @@ def test_the_controllers_study_loads_every_arm():
         cfg = load_config(ROOT / "configs" / "demo.yaml", list(study["common"]) + list(over))
         assert (cfg.algo.entropy_control.target is not None) == ("entropy_control" in " ".join(over)), name
         assert entropy_control.start(cfg.algo, rank=1) is None or cfg.algo.entropy_control.target == 0.25
+
+
+# ---------------------------------------------------------------- 2 ranks = 1 process
+
+CONTROL = ["algo.entropy_control.target=50.0", "algo.entropy_control.knob=entropy_coef",
+           "algo.entropy_control.rule=proportional", "algo.entropy_control.init=0.01", "algo.entropy_control.min=1e-4",
+           "algo.entropy_control.max=0.9", "algo.entropy_control.gain=0.3"]
+
+
+def _ranks_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    import json
+
+    from _dist import shutdown_process_group
+
+    os.environ.update({"DS_ACCELERATOR": "cpu", "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
+    torch.set_num_threads(1)
+    train_mod.RewardFn.__call__ = lambda self, text, truth: float(len(text) % 2)
+    cfg = load_config(TINY, [f"trainer.run_dir={out_dir}/run", "trainer.max_steps=3", "reward.sandbox=inline",
+                             "trainer.eval_every=0", "rollout.seeding=per_sample", *CONTROL])
+    train_mod.train(cfg)
+    Path(out_dir, f"done{rank}").write_text(json.dumps(True))
+    shutdown_process_group()
+
+
+@pytest.mark.slow
+def test_controller_on_two_ranks_follows_one_process(tmp_path):
+    """The controller reads the entropy of the whole rollout batch over all ranks: on 2 ranks (per-sample seeds, so
+    the same samples) its values and errors equal the 1-process run's, up to the reduction order's rounding."""
+    from _dist import free_port, spawn_ranks
+
+    rows = {}
+    for world in (1, 2):
+        out = tmp_path / f"w{world}"
+        out.mkdir()
+        spawn_ranks(_ranks_worker, (world, free_port(), str(out)), world)
+        rows[world] = read_metrics(out / "run" / "metrics.jsonl")
+    one, two = rows[1], rows[2]
+    assert [r["step"] for r in one] == [r["step"] for r in two] == [1, 2, 3]
+    for a, b in zip(one, two):
+        for key in ("entropy", "entropy_control/value", "entropy_control/error"):
+            assert math.isclose(a[key], b[key], rel_tol=1e-6), (a["step"], key, a[key], b[key])
+    values = [r["entropy_control/value"] for r in one]
+    assert values[0] == 0.01 and values[2] > values[1] > values[0]  # H ≈ 5 ≪ 50: the bonus grows
