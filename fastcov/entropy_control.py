@@ -60,8 +60,8 @@ RULES = ("step", "proportional")
 class Knob:
     """What the controller knows about a knob: ``direction`` +1 if raising it raises the entropy, −1 if
     lowering it does; ``neutral``: the value that turns it off (None: it has none, ``gate`` is refused);
-    ``low``/``high``: the range of values it accepts (``low_open``: ``low`` excluded); ``default_min``: the lower
-    bound when none is given (None: ``low``); ``high`` is the default upper bound."""
+    ``low``/``high``: the range of values it accepts (``low_open``: ``low`` excluded); ``default_min`` /
+    ``default_max``: the bounds when none are given (None: ``low`` / ``high``)."""
 
     direction: int
     neutral: float | None
@@ -69,11 +69,12 @@ class Knob:
     high: float
     low_open: bool = False
     default_min: float | None = None
+    default_max: float | None = None
 
 
 KNOBS: dict[str, Knob] = {
-    "entropy_coef": Knob(+1, 0.0, 0.0, 1.0),
-    "kl_cov_coef": Knob(+1, 0.0, 0.0, 100.0),
+    "entropy_coef": Knob(+1, 0.0, 0.0, math.inf, default_max=1.0),
+    "kl_cov_coef": Knob(+1, 0.0, 0.0, math.inf, default_max=100.0),
     "kl_cov_ratio": Knob(+1, None, 0.0, 1.0, low_open=True, default_min=1e-5),
     "clip_cov_ratio": Knob(+1, None, 0.0, 1.0, low_open=True, default_min=1e-5),
     "pos_weight": Knob(-1, 1.0, 0.0, 1.0),
@@ -125,11 +126,11 @@ class EntropyController:
             raise ValueError(f"target must be {'> 0' if rule == 'proportional' else '>= 0'} nats, got {target!r}")
         default_min = spec.low if spec.default_min is None else spec.default_min
         self.min = default_min if min is None else _number(min, "min")
-        self.max = spec.high if max is None else _number(max, "max")
-        low_ok = self.min > spec.low if spec.low_open else self.min >= spec.low
-        if not low_ok or self.max > spec.high:
-            raise ValueError(f"min and max must lie in {'(' if spec.low_open else '['}{spec.low:g}, {spec.high:g}] "
-                             f"for knob {knob}, got min={self.min:g}, max={self.max:g}")
+        self.max = (spec.high if spec.default_max is None else spec.default_max) if max is None else _number(max, "max")
+        domain = f"{'(' if spec.low_open else '['}{spec.low:g}, {spec.high:g}] for knob {knob}"
+        for name, bound in (("min", self.min), ("max", self.max)):
+            if not (bound > spec.low if spec.low_open else bound >= spec.low) or bound > spec.high:
+                raise ValueError(f"{name} must lie in {domain}, got {bound:g}")
         if self.min > self.max:
             raise ValueError(f"min must be <= max, got min={self.min:g}, max={self.max:g}")
         if rule == "proportional" and self.min <= 0:

@@ -124,7 +124,8 @@ def test_state_round_trip_resumes_bit_exact():
 @pytest.mark.parametrize("kwargs, word", [
     (dict(knob="nope"), "knob"), (dict(rule="pid"), "rule"), (dict(delta=None), "delta"), (dict(delta=-1), "delta"),
     (dict(target=-0.1), "target"), (dict(init=2.0), "init"), (dict(min=0.5, max=0.1, init=0.3), "min must be <= max"),
-    (dict(knob="kl_cov_ratio", min=0.0, init=0.1), "min and max"), (dict(knob="kl_cov_ratio", init=0.1, gate=True), "gate"),
+    (dict(knob="kl_cov_ratio", min=0.0, init=0.1), "min must lie in"),
+    (dict(knob="pos_weight", max=1.5, init=0.5), "max must lie in"), (dict(knob="kl_cov_ratio", init=0.1, gate=True), "gate"),
     (dict(rule="proportional", init=0.1), "min must be > 0"), (dict(gain=0.0), "gain"), (dict(max=float("nan")), "max"),
 ])
 def test_bad_arguments_name_themselves(kwargs, word):
