@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo study study-selection lint docs docs-serve test test-fast test-multinode test-verl test-vllm test-vllm-api bench compile-report clean
+.PHONY: demo study study-selection study-controllers lint docs docs-serve test test-fast test-multinode test-verl test-vllm test-vllm-api bench compile-report clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -128,6 +128,14 @@ study-selection: $(STAMP)
 	@if ! $(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
 		export DS_ACCELERATOR=cpu; fi; \
 	$(PY) -m fastcov.trainer.study configs/studies/selection.yaml --jobs $(STUDY_JOBS) $(STUDY_ARGS)
+
+# Entropy controllers head to head (issue 41): the entropy bonus under Skywork-OR1's, TRL's and the proportional rule,
+# KL-Cov's beta and Clip-Cov's ratio under a target, Jin et al.'s lambda, Cheng et al.'s advantage shaping, against
+# GRPO and fixed KL-Cov; target 0.25 nats, 3 seeds: runs/study-controllers/report.md.
+study-controllers: $(STAMP)
+	@if ! $(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
+		export DS_ACCELERATOR=cpu; fi; \
+	$(PY) -m fastcov.trainer.study configs/studies/controllers.yaml --jobs $(STUDY_JOBS) $(STUDY_ARGS)
 
 clean:
 	rm -rf $(VENV) $(VERL_VENV) $(VLLM_VENV) build site *.egg-info .pytest_cache

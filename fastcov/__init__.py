@@ -8,6 +8,7 @@ from fastcov.advantages import (
     broadcast_to_tokens,
     dapo_filter,
     dr_grpo,
+    entropy_advantage,
     get_advantage,
     grpo,
     register_advantage,
@@ -17,6 +18,7 @@ from fastcov.advantages import (
 from fastcov.correction import mismatch_metrics, off_policy_sequence_mask, rollout_correction, rollout_rejection
 from fastcov.covariance import token_covariance, token_covariance_and_keys
 from fastcov.dynamics import DynamicsConfig, DynamicsRun, TabularProblem, predicted_entropy_change, simulate
+from fastcov.entropy_control import EntropyController, all_rank_entropy
 from fastcov.law import EntropyLaw, fit_entropy_law
 from fastcov.losses import (
     LossConfig,
@@ -65,7 +67,10 @@ __all__ = [
     "reinforce_pp",
     "dapo_filter",
     "broadcast_to_tokens",
+    "entropy_advantage",
     "PositiveWeightSchedule",
+    "EntropyController",
+    "all_rank_entropy",
     "EntropyLaw",
     "fit_entropy_law",
     "predicted_entropy_change",

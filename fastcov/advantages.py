@@ -12,6 +12,7 @@ RLOO the raw reward.
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -174,11 +175,50 @@ def broadcast_to_tokens(sequence_advantages: torch.Tensor, mask: torch.Tensor) -
     return torch.where(mask.bool(), sequence_advantages[:, None], 0.0).to(sequence_advantages.dtype)
 
 
+def entropy_advantage(advantages: torch.Tensor, entropy: torch.Tensor, mask: torch.Tensor | None = None, *,
+                      alpha: float, kappa: float) -> torch.Tensor:
+    """Cheng et al. 2025's entropy-based advantage shaping (arXiv 2506.14758), per token:
+
+        A_t ← A_t + min(α · H_t, |A_t| / κ)      (H_t detached: no gradient flows through the bonus)
+
+    The bonus is ≥ 0 and, with κ > 1, never flips the sign of a negative advantage; it vanishes where A_t = 0.
+
+    Args:
+        advantages: [B, T] float per-token advantages (``broadcast_to_tokens`` of sequence advantages).
+        entropy: [B, T] float token entropies H_t (nats), e.g. ``linear_logprob_entropy``'s; detached here.
+        mask: optional [B, T] bool or 0/1, valid tokens; invalid tokens get 0.
+        alpha: α ≥ 0 (0 returns the advantages unchanged).
+        kappa: κ > 0 (the paper uses κ > 1).
+
+    Returns:
+        [B, T] tensor of ``advantages``' dtype.
+
+    Raises:
+        ValueError: shapes that differ, or α / κ out of range (naming them).
+    """
+    for name, value in (("alpha", alpha), ("kappa", kappa)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if alpha < 0:
+        raise ValueError(f"alpha must be >= 0, got {alpha}")
+    if kappa <= 0:
+        raise ValueError(f"kappa must be > 0, got {kappa}")
+    if not isinstance(advantages, torch.Tensor) or not isinstance(entropy, torch.Tensor):
+        raise TypeError("advantages and entropy must be torch.Tensors")
+    if entropy.shape != advantages.shape or (mask is not None and mask.shape != advantages.shape):
+        raise ValueError(f"advantages, entropy and mask must have one shape, got {tuple(advantages.shape)}, "
+                         f"{tuple(entropy.shape)} and {None if mask is None else tuple(mask.shape)}")
+    bonus = torch.minimum(alpha * entropy.detach().to(advantages.dtype), advantages.abs() / kappa)
+    shaped = advantages + bonus
+    return shaped if mask is None else torch.where(mask.bool(), shaped, torch.zeros_like(shaped))
+
+
 __all__ = [
     "available_advantages",
     "broadcast_to_tokens",
     "dapo_filter",
     "dr_grpo",
+    "entropy_advantage",
     "get_advantage",
     "group_index",
     "grpo",

@@ -50,6 +50,8 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import torch
 
+from fastcov.entropy_control import controlled
+
 __all__ = [
     "TabularProblem",
     "DynamicsConfig",
@@ -278,6 +280,8 @@ class DynamicsConfig:
         positive_weight: optional ``PositiveWeightSchedule``: its λ weights the loss of tokens with
             A > 0 (``LossConfig.pos_adv_weight``); it is stepped with the mean entropy after every
             rollout batch.
+        entropy_control: optional ``fastcov.entropy_control.EntropyController``: its knob's applied value goes
+            into the step's ``LossConfig``; it is updated with the mean entropy after every rollout batch.
         seed: sampling seed (the problem has its own).
     """
 
@@ -293,6 +297,7 @@ class DynamicsConfig:
     loss_config: Any = None
     positive_weight: Any = None
     seed: int = 0
+    entropy_control: Any = None
 
     def validate(self) -> None:
         for name in ("steps", "group_size", "epochs", "minibatches"):
@@ -482,6 +487,8 @@ def _simulate(problem: TabularProblem, cfg: DynamicsConfig, loss_fn: Callable[..
                     step_config = dataclasses.replace(loss_config, pos_adv_weight=lam)
                 else:  # a loss without the modifier: scale the positive advantages instead
                     adv = torch.where(adv > 0, lam * adv, adv)
+            if cfg.entropy_control is not None:
+                step_config = controlled(step_config, cfg.entropy_control)
             old_logprob = torch.log_softmax(z, dim=-1).gather(1, actions).reshape(N, 1)
         cols = actions.reshape(N)
         z_start = z.clone()
@@ -510,6 +517,8 @@ def _simulate(problem: TabularProblem, cfg: DynamicsConfig, loss_fn: Callable[..
                 metric_hist[key].append(math.nan)
         if schedule is not None:
             schedule.step(entropy=ent[-1])
+        if cfg.entropy_control is not None:
+            cfg.entropy_control.update(ent[-1])
 
     return DynamicsRun(
         label=label or cfg.mode,

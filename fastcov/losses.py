@@ -300,7 +300,11 @@ def clip_cov_loss(logprob, old_logprob, advantages, selected, config: LossConfig
 
 @register("kl_cov", selector=_kl_cov_selector)
 def kl_cov_loss(logprob, old_logprob, advantages, selected, config: LossConfig) -> torch.Tensor:
-    """Unclipped policy gradient plus β·|logp − old_logp| on the selected tokens."""
+    """Unclipped policy gradient plus β·|logp − old_logp| on the selected tokens.
+
+    On-policy (one mini-batch and one PPO epoch per rollout batch) logp = old_logp, so the penalty is 0 and this
+    is plain policy gradient: KL-Cov needs several optimizer steps per rollout (PRIME-RL/Entropy-Mechanism-of-RL#1).
+    """
     log_ratio = logprob - old_logprob
     return -advantages * torch.exp(log_ratio) + config.kl_cov_coef * log_ratio.abs() * selected
 
@@ -546,7 +550,9 @@ def policy_loss(
         advantages: [B, T] float, per-token advantages, finite on valid tokens (checked with the
             call's only host sync unless ``config.check_finite`` is False).
         mask: [B, T] bool or 0/1, valid (response, non-padding) tokens.
-        mode: a registered mode: "vanilla", "clip_cov", "kl_cov" or a user's.
+        mode: a registered mode: "vanilla", "clip_cov", "kl_cov" or a user's. KL-Cov's penalty
+            β·|logp − old_logp| is 0 where ``logprob`` equals ``old_logprob`` (on-policy: the first update of a
+            rollout batch, and every update with one mini-batch and one PPO epoch), so there it does nothing.
         agg: "token-mean" | "seq-mean-token-sum" | "seq-mean-token-mean" | "seq-mean-token-sum-norm".
         scope: "microbatch" (statistics and selection inside this call on this rank, verl 0.9.1)
             or "global" (over the mini-batch and the ranks of ``group``; see the module docstring).

@@ -14,9 +14,11 @@ Kinds
         λ ← clip(λ − Δ, 0, 1)   if H < δ      (entropy too low: damp the positive tokens)
         λ ← clip(λ + Δ, 0, 1)   otherwise     (entropy healthy: let them learn)
 
-    with ``δ = threshold`` (default 0.2) and ``Δ = step_size`` (default 0.05).  This is exactly the
-    ``λ ← clip(λ ∓ Δ, 0, 1) when H < δ / otherwise`` rule of docs/design.md §4; the direction follows from
-    positive-advantage tokens being the ones that lower entropy.
+    with ``δ = threshold`` (default 0.2) and ``Δ = step_size`` (default 0.05). The rule is the step rule of
+    ``fastcov.entropy_control.EntropyController`` on the knob ``pos_weight`` (bounds [0, 1]), which this
+    kind runs; ``algo.entropy_control`` with ``knob: pos_weight`` is the same controller in the trainer.
+    This is exactly the ``λ ← clip(λ ∓ Δ, 0, 1) when H < δ / otherwise`` rule of docs/design.md §4; the
+    direction follows from positive-advantage tokens being the ones that lower entropy.
 ``"stage"``
     piecewise constant: ``stages=[(0, λ0), (s1, λ1), ...]`` uses ``λi`` from step ``si`` on.  The first
     stage must start at step 0 and the steps must increase strictly.
@@ -43,6 +45,8 @@ from __future__ import annotations
 
 import math
 from typing import Any, Iterable, Mapping
+
+from fastcov.entropy_control import EntropyController
 
 __all__ = ["PositiveWeightSchedule", "SCHEDULE_KINDS"]
 
@@ -157,6 +161,9 @@ class PositiveWeightSchedule:
         self.init = _as_weight(init if init is not None else (1.0 if kind == "constant" else 0.0), "init")
         self.step_count = 0
         self._value = self._scheduled(0) if kind in ("stage", "epoch") else self.init
+        # the entropy-guided rule is the target-entropy controller's step rule on λ (one rule in the code)
+        self._controller = EntropyController(self.threshold, "pos_weight", self.init, rule="step",
+                                             delta=self.step_size, min=0.0, max=1.0) if kind == "entropy" else None
 
     # ------------------------------------------------------------------ construction
     @staticmethod
@@ -255,8 +262,9 @@ class PositiveWeightSchedule:
                 raise ValueError(f"entropy must be a finite number, got {entropy!r}") from None
             if not math.isfinite(h):
                 raise ValueError(f"entropy must be a finite number, got {entropy!r}")
-            delta = -self.step_size if h < self.threshold else self.step_size
-            self._value = min(1.0, max(0.0, self._value + delta))
+            assert self._controller is not None
+            self._controller.value = self._value
+            self._value = self._controller.update(h)
             self.step_count += 1
         else:
             self.step_count += 1

@@ -183,6 +183,40 @@ class RolloutCorrectionConfig:
 
 
 @dataclass
+class EntropyControlConfig:
+    """A target-entropy controller (fastcov.entropy_control.EntropyController; docs/trainer.md, "Entropy held
+    at a target"): after every step it moves one knob so the rollout entropy goes to ``target``."""
+
+    # nats per response token of the rollout batch, measured over all ranks; null = off
+    target: float | None = None
+    # the value it moves: entropy_coef, kl_cov_coef / kl_cov_ratio (algo.mode kl_cov), clip_cov_ratio (clip_cov),
+    # pos_weight (Jin et al.'s lambda on tokens with A > 0)
+    knob: Literal["entropy_coef", "kl_cov_coef", "kl_cov_ratio", "clip_cov_ratio", "pos_weight"] = "entropy_coef"
+    # step: +-delta per step, clipped (Skywork-OR1, TRL); proportional: value * exp(gain * (target - H) / target)
+    rule: Literal["step", "proportional"] = "step"
+    # the knob's value at step 1; null: the algo value it replaces (pos_weight: algo.pos_adv_weight)
+    init: float | None = None
+    delta: float | None = None  # step rule: change per step (required)
+    gain: float = 0.5  # proportional rule
+    # bounds; null: the knob's range (entropy_coef [0, 1], kl_cov_coef [0, 100], ratios [1e-5, 1], pos_weight [0, 1])
+    min: float | None = None
+    max: float | None = None
+    # apply the knob only while the last step's entropy is low (TRL's "bonus only while H <= target"), else its
+    # off value (0; pos_weight 1)
+    gate: bool = False
+    inclusive: bool = False  # H == target counts as low (TRL: true; Skywork-OR1, Jin et al.: false)
+
+
+@dataclass
+class EntropyAdvantageConfig:
+    """Cheng et al. 2025 (arXiv 2506.14758): A_t <- A_t + min(alpha * H_t, |A_t| / kappa), H_t the rollout policy's
+    token entropy (fastcov.advantages.entropy_advantage). alpha 0 = off."""
+
+    alpha: float = 0.0
+    kappa: float = 2.0
+
+
+@dataclass
 class AlgoConfig:
     # prime: outcome + implicit process rewards, token-level (algo.prime); reinforce_pp with algo.kl_coef > 0:
     # REINFORCE++ with its token-level KL penalty (trainer/token_level/advantages.py).
@@ -245,6 +279,8 @@ class AlgoConfig:
     max_gen_batches: int = 1
     ppo_epochs: int = 1
     mini_batches: int = 1  # optimizer steps per rollout batch
+    entropy_control: EntropyControlConfig = field(default_factory=EntropyControlConfig)
+    entropy_advantage: EntropyAdvantageConfig = field(default_factory=EntropyAdvantageConfig)
 
 
 @dataclass
@@ -592,6 +628,46 @@ def _validate_algo(a: AlgoConfig, r: RolloutConfig, t: TrainerConfig) -> None:
            "refilling only applies to DAPO's filter: set algo.dapo_filter=true (or max_gen_batches 1)")
 
 
+# knob -> (the algo field whose value it replaces, the modes it acts in; None: any)
+ENTROPY_KNOBS = {"entropy_coef": ("entropy_coef", None), "kl_cov_coef": ("kl_cov_coef", ("kl_cov",)),
+                 "kl_cov_ratio": ("kl_cov_ratio", ("kl_cov",)), "clip_cov_ratio": ("clip_cov_ratio", ("clip_cov",)),
+                 "pos_weight": ("pos_adv_weight", None)}
+
+
+def entropy_controller(a: AlgoConfig):
+    """The EntropyController ``algo.entropy_control`` describes, or None when its target is null."""
+    from fastcov.entropy_control import EntropyController
+
+    c = a.entropy_control
+    if c.target is None:
+        return None
+    init = c.init if c.init is not None else getattr(a, ENTROPY_KNOBS[c.knob][0])
+    return EntropyController(c.target, c.knob, init, rule=c.rule, delta=c.delta, gain=c.gain, min=c.min, max=c.max,
+                             gate=c.gate, inclusive=c.inclusive)
+
+
+def _validate_entropy_control(a: AlgoConfig) -> None:
+    c, e = a.entropy_control, a.entropy_advantage
+    _check(e.alpha >= 0, "algo.entropy_advantage.alpha", f"must be >= 0 (0 = off), got {e.alpha}")
+    _check(e.kappa > 0, "algo.entropy_advantage.kappa", f"must be > 0, got {e.kappa}")
+    _check(e.alpha == 0 or a.adv_estimator != "prime", "algo.entropy_advantage.alpha",
+           "shapes sequence-level advantages; PRIME's token-level ones are not supported (set alpha 0)")
+    if c.target is None:
+        return
+    modes = ENTROPY_KNOBS[c.knob][1]
+    _check(modes is None or a.mode in modes, "algo.entropy_control.knob",
+           f"{c.knob} acts only in algo.mode {' / '.join(modes or ())}, not {a.mode}: "
+           "it would move a value nothing reads")
+    _check(not (c.knob == "pos_weight" and a.pos_weight_schedule), "algo.entropy_control.knob",
+           "pos_weight is already scheduled by algo.pos_weight_schedule; use one of the two")
+    try:
+        entropy_controller(a)
+    except ValueError as exc:
+        msg = str(exc)
+        key = next((k for k in ("target", "init", "delta", "gain", "min", "max", "gate") if msg.startswith(k)), "knob")
+        raise ConfigError(f"algo.entropy_control.{key}: {msg}") from None
+
+
 def _validate_optim_trainer(o: OptimConfig, t: TrainerConfig) -> None:
     _check(o.lr > 0, "optim.lr", f"must be > 0, got {o.lr}")
     _check(o.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
@@ -622,6 +698,7 @@ def validate(cfg: Config) -> Config:
     _validate_lora(cfg.model, cfg)
     _validate_rollout_reward(cfg.rollout, cfg)
     _validate_algo(cfg.algo, cfg.rollout, cfg.trainer)
+    _validate_entropy_control(cfg.algo)
     _validate_optim_trainer(cfg.optim, cfg.trainer)
     _validate_rollout_correction(cfg)
     return cfg

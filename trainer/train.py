@@ -39,6 +39,7 @@ import torch.distributed as dist
 from fastcov.advantages import dapo_filter, get_advantage
 from fastcov.errors import UserError, one_line
 from fastcov.losses import LossConfig, Selection, compute_global_selection, get_policy_loss, policy_loss
+from fastcov.trainer import entropy_control
 from fastcov.trainer.config import Config, ConfigError, positive_weight_schedule, rollout_correction_enabled
 from fastcov.trainer.data.loading import PromptSampler, load_train_val, prepare_data
 from fastcov.trainer.evaluation import evaluate
@@ -547,6 +548,7 @@ class Run:
     lam_sched: Any  # Jin et al.'s λ schedule, or None
     counters: dict[str, int]
     step: int = 0
+    entropy_ctl: Any = None  # algo.entropy_control's EntropyController, or None
     logger: Any = None
     pbar: Any = None
     warned: dict[str, bool] = field(default_factory=lambda: {"empty_band": False})
@@ -587,7 +589,8 @@ class Run:
 
     def trainer_state(self) -> dict:
         return {"step": self.step, "sampler": self.sampler.state_dict(), "counters": self.counters,
-                "lambda": self.lam_sched.state_dict() if self.lam_sched is not None else None, "world": self.world}
+                "lambda": self.lam_sched.state_dict() if self.lam_sched is not None else None, "world": self.world,
+                **({"entropy_control": self.entropy_ctl.state_dict()} if self.entropy_ctl is not None else {})}
 
 
 class LostRankError(UserError):
@@ -728,6 +731,8 @@ def _resume(run: Run, path: Path) -> None:
         run.counters.update(state["counters"])
         if run.lam_sched is not None:
             run.lam_sched.load_state_dict(state["lambda"])
+        if run.entropy_ctl is not None:
+            run.entropy_ctl.load_state_dict(state["entropy_control"])
     except (ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"--resume: {str(path)!r} does not fit this run's config or data "
                               f"({type(exc).__name__}: {one_line(exc)})") from None
@@ -757,6 +762,7 @@ def start_run(cfg: Config, resume, overwrite: bool, closing: contextlib.ExitStac
               token_adv, PromptSampler(len(train_set), t.seed), gens,
               positive_weight_schedule(a) if a.pos_weight_schedule else None,  # Jin et al.'s λ
               {"skipped_steps": 0, "filtered_groups": 0, "reward_timeouts": 0})
+    run.entropy_ctl = entropy_control.start(a, rank)  # algo.entropy_control (None when off); KL-Cov's warning
     if resume_path is not None:
         _resume(run, resume_path)
     if rank == 0:
@@ -795,8 +801,9 @@ def score_and_update(run: Run, col: Collected, rec: dict) -> tuple[UpdateStats, 
     pad_id = run.tokenizer.pad_token_id
     t0 = time.perf_counter()
     global_scope = a.scope == "global"  # its first mini-batch's selection reuses these
+    shaping = a.entropy_advantage.alpha > 0  # Cheng et al.'s shaping reads the rollout entropies
     old = compute_old_logprobs(run.engine, col.seqs, cfg, pad_id, run.device,
-                               keep_entropy=global_scope and a.high_entropy_fraction is not None,
+                               keep_entropy=(global_scope and a.high_entropy_fraction is not None) or shaping,
                                keep_vocab_cov=global_scope and a.cov_score == "vocab")
     times["old_logprob"] = time.perf_counter() - t0
     if run.token_adv is not None:  # REINFORCE++ with KL penalty, PRIME: token-level advantages
@@ -805,11 +812,14 @@ def score_and_update(run: Run, col: Collected, rec: dict) -> tuple[UpdateStats, 
         times["token_rewards"] = time.perf_counter() - t0
     if rollout_correction_enabled(cfg):
         rec.update(correct_rollouts(col.seqs, cfg, run.device))
+    if shaping:  # A_t + min(alpha * H_t, |A_t| / kappa); logs entropy_advantage/bonus
+        rec.update(entropy_control.shape_advantages(col.seqs, a, run.device))
     t0 = time.perf_counter()
     rec["lambda"] = run.lam_sched.value if run.lam_sched is not None else a.pos_adv_weight
     lr = lr_at(run.engine.steps, cfg.optim, cfg.trainer.max_steps * a.ppo_epochs * a.mini_batches)
-    upd = update_policy(run.engine, col.seqs, col.kept_groups, cfg, loss_config(a, pos_adv_weight=rec["lambda"]),
-                        lr, pad_id, run.device, run.gens["select"])
+    loss_cfg = entropy_control.controlled(loss_config(a, pos_adv_weight=rec["lambda"]), run.entropy_ctl)
+    upd = update_policy(run.engine, col.seqs, col.kept_groups, cfg, loss_cfg, lr, pad_id, run.device,
+                        run.gens["select"])
     if upd.skipped_steps:
         run.counters["skipped_steps"] += upd.skipped_steps
         if run.rank == 0:
@@ -861,6 +871,7 @@ def step_metrics(run: Run, col: Collected, upd: UpdateStats, old: list[float], l
     rec.update(selection_diagnostics(run, upd, sel, m_n))
     if run.lam_sched is not None:
         run.lam_sched.step(entropy=rec["entropy"])
+    entropy_control.after_step(run.entropy_ctl, rec["entropy"], rec)  # entropy_control/value, /error
     return p_sum + len_sum
 
 

@@ -6,7 +6,8 @@
     trainer = FastcovGRPOTrainer(model=model, reward_funcs=reward_fn, args=args, train_dataset=ds)
     trainer.train()     # logs fastcov/selected_frac, fastcov/cov_mean, fastcov/clipfrac, fastcov/ppo_kl, ...
 
-Tested with trl 1.16. The trainer overrides three hooks of ``trl.GRPOTrainer`` and nothing else:
+Tested with trl 1.16. The trainer overrides three hooks of ``trl.GRPOTrainer`` (and, to checkpoint the
+target-entropy controller, ``_save_checkpoint`` / ``_load_optimizer_and_scheduler``) and nothing else:
 
 * ``_get_per_token_logps_and_entropies``: log π(y_t) and H_t of the completion tokens, [B, C] fp32, from
   the decoder's last hidden state and ``lm_head.weight`` through ``fastcov.linear_logprob_entropy``
@@ -14,7 +15,8 @@ Tested with trl 1.16. The trainer overrides three hooks of ``trl.GRPOTrainer`` a
   The decoder runs inside the model's forward (a ``fastcov_logits_to_keep=`` keyword this module adds to
   the policy's and reference model's forward), so DDP / accelerate wrappers see a normal forward.
 * ``_compute_loss``: ``fastcov.policy_loss`` with the configured mode; TRL's KL-to-reference term when
-  ``beta != 0``; fastcov's metrics go to TRL's ``_metrics`` under ``fastcov/<name>``.
+  ``beta != 0``; TRL's entropy bonus and adaptive entropy control (below); fastcov's metrics go to TRL's
+  ``_metrics`` under ``fastcov/<name>``.
 * ``_generate_and_score_completions`` (``fastcov_scope="global"`` only): computes the Clip-Cov / KL-Cov
   selection once per rollout batch over every data-parallel rank (``fastcov.compute_global_selection``)
   and hands each micro-batch its rows.
@@ -30,10 +32,25 @@ Mapping of TRL's options (``FastcovGRPOConfig``)::
               "dr_grpo"    -> agg "seq-mean-token-sum-norm", loss_scale_factor = max_completion_length, / GA steps
     beta                   -> TRL's k3 KL to the reference model, aggregated like the policy loss
 
+Entropy bonus and adaptive entropy (TRL's options, TRL's behaviour; ``fastcov.entropy_control.EntropyController``)::
+
+    entropy_coef                 TRL's bonus: loss −= coef · (mean H over the micro-batch's loss tokens) / GA steps
+    use_adaptive_entropy         TRL's controller (Skywork-OR1's): after each optimizer step, with H the mean entropy
+    entropy_target,              of the step's loss tokens over all processes, coef ← min(coef + entropy_coef_delta,
+    entropy_coef_delta,          entropy_coef_max) if H ≤ entropy_target, else max(coef − delta, entropy_coef_min);
+    entropy_coef_min/max         the bonus applies only while the last H ≤ entropy_target (none before the first step)
+    fastcov_entropy_control      the same controller on another knob or rule: a dict with algo.entropy_control's keys
+                                 (target, knob: kl_cov_coef | kl_cov_ratio | clip_cov_ratio | entropy_coef, rule,
+                                 init, delta, gain, min, max, gate, inclusive), measured as use_adaptive_entropy is
+
+With ``top_entropy_quantile`` < 1 the bonus and the measurement cover the tokens fastcov's loss trains on (its
+high-entropy selection; TRL picks its own quantile over all processes). The controller's state is saved with each
+checkpoint (``fastcov_entropy_control.json``) and restored on resume; ``entropy_coef`` (the coefficient) or
+``fastcov/entropy_control/value`` (another knob) is logged at every optimizer step.
+
 Refused (ValueError naming the option): loss_type cispo / sapo / vespo / luspo, importance_sampling_level
-"sequence", off_policy_mask_threshold, entropy_coef / use_adaptive_entropy (Clip-Cov and KL-Cov are the entropy
-control), vLLM importance-sampling correction (fastcov's loss has no per-token weight), MoE router aux loss,
-multimodal inputs, FSDP (the fused kernel reads ``lm_head.weight`` whole in its backward).
+"sequence", off_policy_mask_threshold, vLLM importance-sampling correction (fastcov's loss has no per-token weight),
+MoE router aux loss, multimodal inputs, FSDP (the fused kernel reads ``lm_head.weight`` whole in its backward).
 
 LoRA: pass ``peft_config=peft.LoraConfig(...)`` as to ``GRPOTrainer``. TRL wraps the policy in a PeftModel; the
 fused head runs on its base model's decoder (adapters active), only the adapters train, and with ``beta > 0`` the
@@ -55,14 +72,20 @@ rollout when TRL has not computed the old log-probs itself. Loss denominators ar
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
 import math
+import os
+import warnings
 from dataclasses import dataclass, field
 
 import torch
 
+from fastcov.entropy_control import EntropyController
 from fastcov.integrations._require import require
 from fastcov.losses import LossConfig, Selection, aggregate_loss, compute_global_selection, policy_loss
+from fastcov.selection import select_top_covariance
 
 require("trl", "trl", "'fastcov[trl]'", minimum="1.16", below="2")  # FastcovGRPOConfig reads 1.16's options
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
@@ -83,6 +106,7 @@ LOSS_TYPE_AGG = {
 }
 _DEFAULTS = LossConfig()
 _SELECTION_KEYS = ("fastcov_cov_selection", "fastcov_high_entropy_selection")
+_CONTROL_FILE = "fastcov_entropy_control.json"
 
 
 @dataclass
@@ -93,6 +117,8 @@ class FastcovGRPOConfig(GRPOConfig):
     clip_cov_ratio, clip_cov_lb, clip_cov_ub: Clip-Cov fraction of valid tokens and open covariance band.
     kl_cov_ratio, kl_cov_coef: KL-Cov fraction of valid tokens and β.
     fastcov_scope: "microbatch" | "global".
+    fastcov_entropy_control: a target-entropy controller on any knob (a dict, or its JSON), see the module docstring;
+        not with use_adaptive_entropy (which is the same controller on entropy_coef with TRL's options).
     """
 
     fastcov_loss_mode: str = field(default="kl_cov", metadata={"help": "vanilla | clip_cov | kl_cov"})
@@ -102,6 +128,9 @@ class FastcovGRPOConfig(GRPOConfig):
     kl_cov_ratio: float = field(default=_DEFAULTS.kl_cov_ratio, metadata={"help": "KL-Cov token fraction"})
     kl_cov_coef: float = field(default=_DEFAULTS.kl_cov_coef, metadata={"help": "KL-Cov coefficient β"})
     fastcov_scope: str = field(default="microbatch", metadata={"help": "microbatch | global"})
+    fastcov_entropy_control: dict | str | None = field(
+        default=None, metadata={"help": "target-entropy controller: target, knob, rule, init, delta, gain, min, max, "
+                                        "gate, inclusive (a dict or JSON)"})
 
     def __post_init__(self):
         super().__post_init__()
@@ -117,8 +146,6 @@ class FastcovGRPOConfig(GRPOConfig):
         refused = {
             "importance_sampling_level": (self.importance_sampling_level != "token", "must be 'token'"),
             "off_policy_mask_threshold": (self.off_policy_mask_threshold is not None, "must be None"),
-            "entropy_coef": (self.entropy_coef != 0.0, "must be 0 (Clip-Cov / KL-Cov control the entropy)"),
-            "use_adaptive_entropy": (bool(self.use_adaptive_entropy), "must be False"),
             "vllm_importance_sampling_correction": (
                 bool(self.use_vllm and self.vllm_importance_sampling_correction),
                 "must be False with use_vllm (fastcov's loss takes no per-token importance weights)",
@@ -149,6 +176,54 @@ class FastcovGRPOConfig(GRPOConfig):
                 f"{self.gradient_accumulation_steps}, num_iterations={self.num_iterations}"
             )
         self.fastcov_loss_config()  # LossConfig validates the ratios, the band and β, naming them
+        self.fastcov_entropy_controller()  # the controller validates its options, naming them
+        if (self.fastcov_loss_mode == "kl_cov" and self.num_iterations == 1
+                and self.steps_per_generation == self.gradient_accumulation_steps):
+            warnings.warn(
+                "fastcov_loss_mode='kl_cov' with num_iterations=1 and steps_per_generation == "
+                "gradient_accumulation_steps: each rollout batch is one optimizer step from the rollout policy, so "
+                "KL-Cov's penalty beta*|log ratio| is 0 (no-op); raise num_iterations or steps_per_generation",
+                stacklevel=2)
+
+    def fastcov_entropy_controller(self) -> EntropyController | None:
+        """The target-entropy controller of ``use_adaptive_entropy`` (TRL's) or ``fastcov_entropy_control``, or None.
+
+        Raises:
+            ValueError: both given, or an option out of range (naming it).
+        """
+        spec = self.fastcov_entropy_control
+        if isinstance(spec, str):
+            try:
+                spec = json.loads(spec)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"fastcov_entropy_control: not a JSON object ({exc})") from None
+        if spec is not None and not isinstance(spec, dict):
+            raise ValueError(f"fastcov_entropy_control must be a dict, got {type(spec).__name__}")
+        if spec and self.use_adaptive_entropy:
+            raise ValueError("fastcov_entropy_control and use_adaptive_entropy are two controllers; give one")
+        if self.use_adaptive_entropy:
+            try:
+                return EntropyController(self.entropy_target, "entropy_coef", self.entropy_coef, rule="step",
+                                         delta=self.entropy_coef_delta, min=self.entropy_coef_min,
+                                         max=self.entropy_coef_max, gate=True, inclusive=True)
+            except ValueError as exc:
+                names = {"target": "entropy_target", "delta": "entropy_coef_delta", "init": "entropy_coef",
+                         "min": "entropy_coef_min/entropy_coef_max"}
+                word = next((k for k in names if str(exc).startswith(k)), "init")
+                raise ValueError(f"{names[word]} (use_adaptive_entropy): {exc}") from None
+        if not spec:
+            return None
+        knob = spec.get("knob", "entropy_coef")
+        if knob == "pos_weight":
+            raise ValueError("fastcov_entropy_control: knob pos_weight is not available in TRL (no λ re-weighting)")
+        wanted = {"kl_cov_coef": "kl_cov", "kl_cov_ratio": "kl_cov", "clip_cov_ratio": "clip_cov"}.get(knob)
+        if wanted is not None and self.fastcov_loss_mode != wanted:
+            raise ValueError(f"fastcov_entropy_control: knob {knob} acts only with fastcov_loss_mode={wanted!r}, "
+                             f"not {self.fastcov_loss_mode!r}")
+        try:
+            return EntropyController.from_config(spec, init=getattr(self, knob, None))
+        except ValueError as exc:
+            raise ValueError(f"fastcov_entropy_control: {exc}") from None
 
     def _clip_high(self) -> float:
         return float(self.epsilon if self.epsilon_high is None else self.epsilon_high)
@@ -234,6 +309,8 @@ class FastcovGRPOTrainer(GRPOTrainer):
         if self.aux_loss_enabled:
             raise ValueError("router_aux_loss_coef: the MoE load-balancing loss is not supported; set it to 0")
         self._fastcov_config = self.args.fastcov_loss_config()
+        self._fastcov_ctl = self.args.fastcov_entropy_controller()
+        self._fastcov_window = None  # [Σ H, tokens] of the current accumulation window (the controller's measurement)
         plugin = self.accelerator.state.deepspeed_plugin if self.is_deepspeed_enabled else None
         zero3 = plugin is not None and plugin.zero_stage == 3
         add_fastcov_head(self.model, self.temperature, zero3=zero3)
@@ -334,9 +411,12 @@ class FastcovGRPOTrainer(GRPOTrainer):
         selection = None
         if scope == "global":
             selection = Selection(inputs.get(_SELECTION_KEYS[0]), inputs.get(_SELECTION_KEYS[1]))
+        config, ctl = self._fastcov_config, self._fastcov_ctl
+        if ctl is not None and ctl.knob != "entropy_coef":
+            config = dataclasses.replace(config, **{ctl.knob: ctl.applied})
         loss, metrics = policy_loss(
             logps, old, advantages, mask, mode=self.args.fastcov_loss_mode, agg=agg, scope=scope,
-            config=self._fastcov_config, entropy=entropies, group=self._fastcov_group() if scope == "global" else None,
+            config=config, entropy=entropies, group=self._fastcov_group() if scope == "global" else None,
             global_tokens=global_tokens, global_seqs=global_seqs, selection=selection,
         )
         if self.beta != 0.0:
@@ -350,7 +430,63 @@ class FastcovGRPOTrainer(GRPOTrainer):
             )
             metrics["kl"] = _masked_mean(per_token_kl, mask)
         self._log_fastcov_metrics(mode, metrics, entropies, mask)
-        return loss * scale
+        loss = loss * scale
+        if self.args.entropy_coef != 0.0 or ctl is not None:
+            loss = self._fastcov_entropy_control(mode, loss, entropies, mask, selection, accumulation)
+        return loss
+
+    def _fastcov_entropy_control(self, mode, loss, entropies, mask, selection, accumulation):
+        """TRL's entropy bonus (``entropy_coef`` or the controller's coefficient) and, in training, the controller's
+        window measurement and its update at each optimizer step (``GRPOTrainer._compute_loss``'s rule)."""
+        fraction, effective = self._fastcov_config.high_entropy_fraction, mask
+        if fraction is not None:  # the tokens fastcov's loss trains on
+            high = selection.high_entropy if selection is not None else None
+            if high is None:
+                high = select_top_covariance(entropies.detach(), mask.bool(), fraction)
+            effective = mask * high
+        ctl = self._fastcov_ctl
+        controls_coef = ctl is not None and ctl.knob == "entropy_coef"
+        if controls_coef or self.args.entropy_coef != 0.0:
+            coef = ctl.applied if controls_coef else self.args.entropy_coef
+            bonus = (entropies * effective).sum() / effective.sum().clamp(min=1.0) / accumulation
+            loss = loss - coef * bonus
+        if ctl is None or mode != "train":
+            return loss
+        stats = torch.stack([(entropies * effective).sum(), effective.sum()]).detach()
+        self._fastcov_window = stats if self._fastcov_window is None else self._fastcov_window + stats
+        if self.accelerator.sync_gradients:  # the optimizer step's boundary: all processes' window, then update
+            totals = self.accelerator.reduce(self._fastcov_window, reduction="sum")
+            ctl.update((totals[0] / totals[1].clamp(min=1.0)).item())
+            self._fastcov_window = None
+            if ctl.knob == "entropy_coef":
+                self.entropy_coef, self._last_world_entropy = ctl.value, ctl.last_entropy  # TRL's attributes
+                self._metrics[mode]["entropy_coef"].append(ctl.value)
+            else:
+                self._metrics[mode]["fastcov/entropy_control/value"].append(ctl.value)
+        return loss
+
+    # ------------------------------------------------------------------ the controller's state in checkpoints
+
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        if self._fastcov_ctl is not None and self.args.should_save:
+            from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+            step = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            with open(os.path.join(self._get_output_dir(trial=trial), step, _CONTROL_FILE), "w") as f:
+                json.dump(self._fastcov_ctl.state_dict(), f)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)
+        self._fastcov_load_control(checkpoint)
+
+    def _fastcov_load_control(self, checkpoint) -> None:
+        """The controller's state from checkpoint directory ``checkpoint`` (if it holds one)."""
+        if self._fastcov_ctl is not None and checkpoint is not None:
+            path = os.path.join(checkpoint, _CONTROL_FILE)
+            if os.path.exists(path):
+                with open(path) as f:
+                    self._fastcov_ctl.load_state_dict(json.load(f))
 
     def _log_fastcov_metrics(self, mode, metrics, entropies, mask) -> None:
         names = list(metrics)

@@ -1,0 +1,250 @@
+"""The target-entropy controller (fastcov.entropy_control) against the published rules it reproduces (TRL 1.16's
+use_adaptive_entropy, Skywork-OR1's adaptive entropy, Jin et al.'s λ schedule), its proportional rule, its state,
+the all-rank entropy on 2 gloo processes; Cheng et al.'s entropy-based advantage shaping against its formula."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from _dist import free_port, shutdown_process_group, spawn_ranks
+
+import fastcov
+from fastcov.entropy_control import KNOBS, EntropyController, all_rank_entropy
+from fastcov.schedules import PositiveWeightSchedule
+
+
+def _entropies(rng: random.Random, target: float, n: int = 60) -> list[float]:
+    """Entropies around the target, with exact ties (H == target) mixed in, where the rules differ."""
+    return [target if rng.random() < 0.15 else target + rng.uniform(-0.3, 0.3) for _ in range(n)]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_step_rule_is_trls_adaptive_entropy(seed):
+    """TRL 1.16 (GRPOTrainer._compute_loss): after each optimizer step, coef ← min(coef + delta, max) when the
+    all-rank entropy H ≤ target, else max(coef − delta, min); the bonus of a step is coef while the last measured
+    H ≤ target, else 0 (and 0 before the first measurement: last H = inf)."""
+    rng = random.Random(seed)
+    target, delta = rng.uniform(0.2, 1.0), rng.choice([0.005, 0.01, 0.003])
+    lo, hi, coef = 0.0, rng.uniform(0.02, 0.05), rng.uniform(0.0, 0.02)
+    ctl = EntropyController(target, "entropy_coef", coef, rule="step", delta=delta, min=lo, max=hi, gate=True,
+                            inclusive=True)
+    last = math.inf
+    for h in _entropies(rng, target):
+        assert ctl.applied == (coef if last <= target else 0.0)
+        coef = min(coef + delta, hi) if h <= target else max(coef - delta, lo)
+        last = h
+        assert ctl.update(h) == coef and ctl.value == coef
+    assert ctl.updates == 60 and ctl.error == target - last
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_step_rule_is_skyworks_adaptive_entropy(seed):
+    """Skywork-OR1: c ← clip(c + Δ, min, max) when H < target, clip(c − Δ, min, max) otherwise; the bonus always
+    applies (no gate). Their defaults: target 0.2, Δ 1e-4, [0, 0.005]."""
+    rng = random.Random(100 + seed)
+    target, delta, lo, hi, c = 0.2, 1e-4, 0.0, 0.005, 0.0
+    ctl = EntropyController(target, "entropy_coef", c, delta=delta, min=lo, max=hi)
+    for h in _entropies(rng, target):
+        assert ctl.applied == c
+        c = min(hi, max(lo, c + delta if h < target else c - delta))
+        assert ctl.update(h) == c
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_jin_schedule_is_the_controller_on_pos_weight(seed):
+    """λ ← clip(λ − Δ, 0, 1) if H < δ else clip(λ + Δ, 0, 1): the pos_weight knob lowers λ to raise H."""
+    rng = random.Random(200 + seed)
+    delta_, step = rng.uniform(0.1, 0.4), rng.choice([0.05, 0.1, 0.3])
+    sched = PositiveWeightSchedule("entropy", init=0.5, threshold=delta_, step_size=step)
+    ctl = EntropyController(delta_, "pos_weight", 0.5, delta=step)
+    lam = 0.5
+    for h in _entropies(rng, delta_):
+        lam = min(1.0, max(0.0, lam - step if h < delta_ else lam + step))
+        assert sched.step(entropy=h) == lam
+        assert ctl.update(h) == lam
+
+
+@pytest.mark.parametrize("knob", list(KNOBS))
+def test_proportional_rule_formula(knob):
+    rng = random.Random(hash(knob) % 1000)
+    spec = KNOBS[knob]
+    lo, hi = 1e-4, (0.9 if spec.high <= 1 else 5.0)
+    v, target, gain = rng.uniform(0.01, 0.5), rng.uniform(0.2, 1.0), rng.uniform(0.1, 2.0)
+    ctl = EntropyController(target, knob, v, rule="proportional", gain=gain, min=lo, max=hi)
+    for h in _entropies(rng, target, 40):
+        v = min(hi, max(lo, v * math.exp(spec.direction * gain * (target - h) / target)))
+        assert ctl.update(h) == pytest.approx(v, rel=1e-15)
+
+
+def _closed_loop(ctl: EntropyController, steps: int = 200) -> list[float]:
+    """A plant where entropy follows the bonus coefficient with lag: H ← H + 0.3·(0.1 + 40·coef − H) per step.
+    Holding H = 0.5 needs coef = 0.01."""
+    h, out = 0.1, []
+    for _ in range(steps):
+        h += 0.3 * (0.1 + 40.0 * ctl.applied - h)
+        ctl.update(h)
+        out.append(h)
+    return out
+
+
+def test_both_rules_hold_a_toy_plant_at_the_target_and_proportional_settles_tighter():
+    step = _closed_loop(EntropyController(0.5, "entropy_coef", 1e-3, delta=5e-4, max=0.05))
+    prop = _closed_loop(EntropyController(0.5, "entropy_coef", 1e-3, rule="proportional", gain=0.5, min=1e-5, max=0.05))
+    tail = slice(150, None)
+    assert max(abs(h - 0.5) for h in prop[tail]) < 1e-3  # settles on the target
+    assert 1e-3 < max(abs(h - 0.5) for h in step[tail]) < 0.1  # a ±delta limit cycle around it
+
+
+def test_state_round_trip_resumes_bit_exact():
+    rng = random.Random(7)
+    hs = [rng.uniform(0.0, 1.0) for _ in range(30)]
+    make = lambda: EntropyController(0.5, "kl_cov_coef", 1.0, rule="proportional", gain=0.7, min=1e-3, max=10.0)  # noqa: E731
+    full = make()
+    values = [full.update(h) for h in hs]
+    half = make()
+    for h in hs[:13]:
+        half.update(h)
+    state = json.loads(json.dumps(half.state_dict()))  # a checkpoint holds it as JSON
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert [resumed.update(h) for h in hs[13:]] == values[13:]
+    assert resumed.state_dict() == full.state_dict()
+    other = EntropyController(0.4, "kl_cov_coef", 1.0, rule="proportional", gain=0.7, min=1e-3, max=10.0)
+    with pytest.raises(ValueError, match="does not match"):
+        other.load_state_dict(state)
+
+
+@pytest.mark.parametrize("kwargs, word", [
+    (dict(knob="nope"), "knob"), (dict(rule="pid"), "rule"), (dict(delta=None), "delta"), (dict(delta=-1), "delta"),
+    (dict(target=-0.1), "target"), (dict(init=2.0), "init"), (dict(min=0.5, max=0.1, init=0.3), "min must be <= max"),
+    (dict(knob="kl_cov_ratio", min=0.0, init=0.1), "min must lie in"),
+    (dict(knob="pos_weight", max=1.5, init=0.5), "max must lie in"), (dict(knob="kl_cov_ratio", init=0.1, gate=True), "gate"),
+    (dict(rule="proportional", init=0.1), "min must be > 0"), (dict(gain=0.0), "gain"), (dict(max=float("nan")), "max"),
+])
+def test_bad_arguments_name_themselves(kwargs, word):
+    args = dict(target=0.3, knob="entropy_coef", init=0.0, delta=0.01)
+    args.update(kwargs)
+    target, knob, init = args.pop("target"), args.pop("knob"), args.pop("init")
+    with pytest.raises(ValueError, match=word):
+        EntropyController(target, knob, init, **args)
+
+
+def test_from_config_and_update_errors():
+    ctl = EntropyController.from_config({"target": 0.3, "knob": "pos_weight", "delta": 0.05}, init=1.0)
+    assert ctl.value == 1.0 and ctl.applied == 1.0 and ctl.error is None
+    assert EntropyController.from_config(ctl.config()).config() == ctl.config()
+    with pytest.raises(ValueError, match="unknown entropy-control key 'tagret'"):
+        EntropyController.from_config({"tagret": 0.3})
+    with pytest.raises(ValueError, match="target is required"):
+        EntropyController.from_config({"delta": 0.1}, init=0.0)
+    for bad in (float("nan"), "x", None):
+        with pytest.raises(ValueError, match="entropy must be a finite number"):
+            ctl.update(bad)
+    assert ctl.updates == 0
+
+
+def test_gate_uses_the_knobs_off_value():
+    ctl = EntropyController(0.3, "pos_weight", 0.4, delta=0.1, gate=True)
+    assert ctl.applied == 1.0  # before any measurement: off (λ = 1, no re-weighting)
+    ctl.update(0.5)  # high entropy: λ rises, gate stays shut
+    assert ctl.applied == 1.0 and ctl.value == pytest.approx(0.5)
+    ctl.update(0.1)
+    assert ctl.applied == ctl.value == pytest.approx(0.4)
+    assert ctl.metrics()["entropy_control/error"] == pytest.approx(0.2)
+
+
+def test_public_api():
+    assert fastcov.EntropyController is EntropyController and fastcov.all_rank_entropy is all_rank_entropy
+    assert fastcov.entropy_advantage is fastcov.advantages.entropy_advantage
+
+
+# ---------------------------------------------------------------- all-rank entropy: 2 processes = 1 process
+
+WORLD = 2
+
+
+def _entropy_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    result = {}
+    try:
+        gen = torch.Generator().manual_seed(11)
+        ent = torch.rand(7, 13, generator=gen, dtype=torch.float32) * 3
+        mask = torch.rand(7, 13, generator=gen) < 0.6
+        rows = [slice(0, 2), slice(2, 7)][rank]  # uneven shares of the tokens
+        local = (ent[rows] * mask[rows]).double().sum()
+        result["entropy"] = all_rank_entropy(local, mask[rows].sum(), group=dist.group.WORLD)
+        result["empty"] = all_rank_entropy(0.0, 0, group=dist.group.WORLD)
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        result["error"] = repr(exc)
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    shutdown_process_group()
+
+
+@pytest.mark.slow
+def test_all_rank_entropy_on_two_ranks_equals_one_process(tmp_path):
+    spawn_ranks(_entropy_worker, (WORLD, free_port(), str(tmp_path)), WORLD)
+    gen = torch.Generator().manual_seed(11)
+    ent = torch.rand(7, 13, generator=gen, dtype=torch.float32) * 3
+    mask = torch.rand(7, 13, generator=gen) < 0.6
+    single = all_rank_entropy((ent * mask).double().sum(), mask.sum())
+    assert single == pytest.approx(float((ent * mask).double().sum() / mask.sum()), rel=1e-15)
+    for rank in range(WORLD):
+        res = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert "error" not in res, res
+        assert res["entropy"] == pytest.approx(single, rel=1e-14) and res["empty"] == 0.0
+
+
+# ---------------------------------------------------------------- Cheng et al.'s advantage shaping
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_entropy_advantage_formula(seed):
+    gen = torch.Generator().manual_seed(seed)
+    adv = torch.randn(5, 9, generator=gen)
+    adv[0, :3] = 0.0
+    ent = (torch.rand(5, 9, generator=gen) * 4).requires_grad_()
+    mask = torch.rand(5, 9, generator=gen) < 0.8
+    alpha, kappa = float(torch.rand(1, generator=gen)) + 0.05, 2.0
+    out = fastcov.entropy_advantage(adv, ent, mask, alpha=alpha, kappa=kappa)
+    for i in range(5):
+        for t in range(9):
+            a, h = float(adv[i, t]), float(ent[i, t].detach())
+            want = a + min(alpha * h, abs(a) / kappa) if mask[i, t] else 0.0
+            assert float(out[i, t]) == pytest.approx(want, rel=1e-6, abs=1e-7)
+    valid = mask & (adv != 0)
+    assert torch.all(torch.sign(out[valid]) == torch.sign(adv[valid]))  # κ > 1 never flips a sign
+    assert torch.all(out[~mask] == 0) and not out.requires_grad  # the entropy is detached
+    assert torch.equal(fastcov.entropy_advantage(adv, ent, alpha=0.0, kappa=kappa), adv)
+
+
+@pytest.mark.parametrize("kwargs, word", [(dict(alpha=-1.0), "alpha"), (dict(kappa=0.0), "kappa"),
+                                          (dict(alpha=float("inf")), "alpha")])
+def test_entropy_advantage_bad_arguments(kwargs, word):
+    args = dict(alpha=0.1, kappa=2.0) | kwargs
+    with pytest.raises(ValueError, match=word):
+        fastcov.entropy_advantage(torch.zeros(2, 3), torch.zeros(2, 3), **args)
+    with pytest.raises(ValueError, match="one shape"):
+        fastcov.entropy_advantage(torch.zeros(2, 3), torch.zeros(2, 4), alpha=0.1, kappa=2.0)
+
+
+def test_the_controller_bench_runs_in_the_simulators_loop(tmp_path):
+    from bench import entropy_controllers as B
+
+    assert B.settle_step(np.array([3.0, 1.2, 1.0, 1.05]), 1.0) == 2.0
+    assert math.isnan(B.settle_step(np.array([1.0, 1.0, 3.0]), 1.0))
+    assert B.main(["--steps", "12", "--seeds", "0", "--target", "2.0", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "entropy-controllers-tabular.json").read_text())
+    assert {(r["knob"], r["rule"]) for r in doc["rows"]} == {(k, r) for k in KNOBS for r in ("step", "proportional")}
+    moved = {r["knob"]: r["final_value"] for r in doc["rows"] if r["rule"] == "step"}
+    assert moved["entropy_coef"] == pytest.approx(0.0)  # H > target all along: the bonus stays at its floor
+    assert moved["kl_cov_coef"] < 1.0  # and β falls from its start
