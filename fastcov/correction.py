@@ -124,7 +124,8 @@ def rollout_correction(
             valid tokens).
         mode: "truncate" (clamp the weights to [clip_min, clip_max]) or "mask" (weights outside
             [clip_min, clip_max] become 0; no lower bound when clip_min is None).
-        clip_max, clip_min: ratio bounds > 0 (clip_min ≤ clip_max; None: no lower bound).
+        clip_max: the upper ratio bound, > 0.
+        clip_min: the lower ratio bound, > 0 and ≤ clip_max (None: no lower bound).
 
     Returns:
         (weights, metrics). weights: [B, T] of log_ratio's dtype, detached, 0 on padding. metrics: verl's

@@ -104,7 +104,8 @@ class EntropyController:
         rule: ``"step"`` or ``"proportional"``.
         delta: the step rule's change per update (>= 0; required by ``"step"``).
         gain: the proportional rule's gain (> 0; default 0.5).
-        min, max: bounds of the value (default: the knob's range; the ratios' lower bound 1e-5).
+        min: lower bound of the value (default: the knob's range; the ratios' lower bound 1e-5).
+        max: upper bound of the value (default: the knob's range).
         gate: apply the knob's neutral value unless the last measured entropy is low (TRL's rule).
         inclusive: H == target counts as low (TRL: True; Skywork-OR1 and Jin et al.: False).
 
