@@ -256,15 +256,9 @@ class PositiveWeightSchedule:
         if self.kind == "entropy":
             if entropy is None:
                 raise ValueError("entropy is required by the entropy-guided schedule (kind='entropy')")
-            try:
-                h = float(entropy)
-            except (TypeError, ValueError):
-                raise ValueError(f"entropy must be a finite number, got {entropy!r}") from None
-            if not math.isfinite(h):
-                raise ValueError(f"entropy must be a finite number, got {entropy!r}")
             assert self._controller is not None
             self._controller.value = self._value
-            self._value = self._controller.update(h)
+            self._value = self._controller.update(entropy)  # it checks that entropy is a finite number
             self.step_count += 1
         else:
             self.step_count += 1
