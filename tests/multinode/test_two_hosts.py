@@ -90,7 +90,9 @@ def lose_host(two_hosts, run: Path, victim: str, sig: int, timeout_s: int) -> tu
     la, lb = launches
     survivor = launches[1 - rank]
     deadline = time.monotonic() + RUN_TIMEOUT
-    while not any(r.get("step") == 1 for r in metrics(run)):  # step 1 is logged: the victim goes after it
+    # step 1 is logged and its checkpoint is intact: the victim goes after it (its metrics row comes before the
+    # checkpoint; a kill in between leaves none, a correct "the last intact checkpoint is none" this test does not ask)
+    while not (any(r.get("step") == 1 for r in metrics(run)) and latest_checkpoint(run / "checkpoints")):
         assert time.monotonic() < deadline, f"no step 1 within {RUN_TIMEOUT} s\n{la.tail()}\n{lb.tail()}"
         assert la.proc.poll() is None and lb.proc.poll() is None, f"a host stopped early\n{la.tail()}\n{lb.tail()}"
         time.sleep(0.05)
