@@ -204,6 +204,10 @@ class FastcovGRPOConfig(GRPOConfig):
                 value = getattr(self, name)
                 if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                     raise ValueError(f"{name} must be a ratio > 0 or None, got {value!r}")
+            low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+            if low is not None and high is not None and low > high:
+                raise ValueError(f"vllm_importance_sampling_clip_min must be ≤ vllm_importance_sampling_clip_max, got "
+                                 f"{low} > {high}")
         threshold = self.off_policy_mask_threshold
         if threshold is not None and not (isinstance(threshold, (int, float)) and threshold >= 0):
             raise ValueError(f"off_policy_mask_threshold must be a number ≥ 0 or None, got {threshold!r}")
