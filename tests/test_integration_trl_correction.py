@@ -193,7 +193,7 @@ def test_gspo_vllm_ratio_and_off_policy_mask_equal_trl_on_two_processes(tmp_path
     (dict(importance_sampling_level="sequence", delta=2.0), "delta"),
     (dict(loss_type="sapo", fastcov_loss_mode="kl_cov"), "fastcov_loss_mode"),
     (dict(use_vllm=True, vllm_importance_sampling_mode="token"), "vllm_importance_sampling_mode"),
-    (dict(use_vllm=True, vllm_importance_sampling_clip_min=2.0), "vllm_importance_sampling_clip_min"),
+    (dict(use_vllm=True, vllm_importance_sampling_clip_min=4.0), "vllm_importance_sampling_clip_min"),
     (dict(off_policy_mask_threshold=-0.1), "off_policy_mask_threshold"),
 ])
 def test_bad_correction_config_names_the_option(tmp_path, overrides, option):
