@@ -204,16 +204,17 @@ def test_global_scope_selects_over_the_rollout_batch(tmp_path):
         (dict(clip_cov_ratio=1.5), "clip_cov_ratio"),
         (dict(clip_cov_lb=5.0, clip_cov_ub=1.0), "clip_cov_lb"),
         (dict(kl_cov_coef=-1.0), "kl_cov_coef"),
-        (dict(loss_type="cispo"), "loss_type"),
-        (dict(loss_type="luspo"), "loss_type"),
-        (dict(importance_sampling_level="sequence"), "importance_sampling_level"),
+        (dict(loss_type="vespo"), "loss_type"),
+        # CISPO / SAPO / GSPO are losses of their own: not with Clip-Cov / KL-Cov (the default fastcov_loss_mode)
+        (dict(loss_type="cispo"), "fastcov_loss_mode"),
+        (dict(importance_sampling_level="sequence"), "fastcov_loss_mode"),
         (dict(use_adaptive_entropy=True, entropy_coef_delta=-0.1), "entropy_coef_delta"),
         (dict(use_adaptive_entropy=True, entropy_coef=2.0), "entropy_coef"),  # outside [min, max] = [0, 1]
         (dict(fastcov_entropy_control={"target": 1.0, "knob": "clip_cov_ratio", "delta": 0.1}),
          "fastcov_entropy_control"),  # the default mode is kl_cov
         (dict(fastcov_entropy_control={"target": 1.0, "delta": 0.1}, use_adaptive_entropy=True),
          "fastcov_entropy_control"),
-        (dict(off_policy_mask_threshold=0.5), "off_policy_mask_threshold"),
+        (dict(off_policy_mask_threshold=-0.5), "off_policy_mask_threshold"),
         (dict(epsilon=-0.1), "epsilon"),
         (dict(delta=2.0), "delta"),  # kl_cov has no PPO clip
         (dict(fastcov_loss_mode="vanilla", delta=1.1), "delta"),  # must exceed 1 + epsilon_high

@@ -30,7 +30,26 @@ Mapping of TRL's options (``FastcovGRPOConfig``)::
               "bnpo"       -> agg "token-mean" over the micro-batch, / gradient_accumulation_steps
               "grpo"       -> agg "seq-mean-token-mean" over the micro-batch's B rows, / gradient_accumulation_steps
               "dr_grpo"    -> agg "seq-mean-token-sum-norm", loss_scale_factor = max_completion_length, / GA steps
-    beta                   -> TRL's k3 KL to the reference model, aggregated like the policy loss
+              "luspo"      -> agg "seq-mean-token-sum" over the micro-batch's B rows, / gradient_accumulation_steps
+              "cispo"      -> mode "cispo" (cispo_clip_max = epsilon_high, no lower bound), normalized like "dapo"
+              "sapo"       -> mode "sapo" (tau = sapo_temperature_pos / _neg), normalized like "grpo"
+    importance_sampling_level "sequence" -> mode "gspo" (GSPO; loss_type grpo, bnpo, dr_grpo, dapo or luspo)
+    beta                   -> TRL's k3 KL to the reference model, aggregated like the policy loss; with
+                              use_bias_correction_kl (TRL's default) × the ratio to the old policy (GSPO's sequence
+                              ratio at sequence level)
+
+Rollout correction (TRL's options, TRL's behaviour; ``fastcov.correction``), as per-token weights of the policy loss::
+
+    vllm_importance_sampling_correction   with use_vllm (TRL's default: on): fastcov.rollout_correction of
+    vllm_importance_sampling_mode         log π_old − log π_sampler (TRL's sampling_per_token_logps; NaN → ratio 1),
+    vllm_importance_sampling_clip_max/min token_* or sequence_* (summed), *_truncate (clamp) or *_mask (zero outside)
+    off_policy_mask_threshold             fastcov.off_policy_sequence_mask: drop a sequence with A < 0 whose mean
+                                          log π_sampler − log π exceeds it (π_old without the sampler's log-probs)
+
+With GSPO, a per-token weight acts as its row's mean weight, as in TRL (whose sequence ratio takes its gradient
+through the row's mean). fastcov bounds the exponents of its ratios (±20; GSPO's log-ratio ≤ 10), TRL does not:
+the two differ only past those bounds. The losses, the rollout weights' mean (``fastcov/rollout_is_mean``) and the
+masked share (``fastcov/off_policy_masked_fraction``) are logged.
 
 Entropy bonus and adaptive entropy (TRL's options, TRL's behaviour; ``fastcov.entropy_control.EntropyController``)::
 
@@ -48,9 +67,11 @@ high-entropy selection; TRL picks its own quantile over all processes). The cont
 checkpoint (``fastcov_entropy_control.json``) and restored on resume; ``entropy_coef`` (the coefficient) or
 ``fastcov/entropy_control/value`` (another knob) is logged at every optimizer step.
 
-Refused (ValueError naming the option): loss_type cispo / sapo / vespo / luspo, importance_sampling_level
-"sequence", off_policy_mask_threshold, vLLM importance-sampling correction (fastcov's loss has no per-token weight),
-MoE router aux loss, multimodal inputs, FSDP (the fused kernel reads ``lm_head.weight`` whole in its backward).
+Refused (ValueError naming the option): loss_type "vespo" (its gamma weighting is not a fastcov mode); cispo, sapo
+or importance_sampling_level "sequence" with fastcov_loss_mode clip_cov / kl_cov (those select tokens inside PPO's
+token clip; use "vanilla") or fastcov_scope "global"; cispo / sapo at sequence level; with sequence level,
+top_entropy_quantile < 1 and delta (not reproduced by fastcov's GSPO); MoE router aux loss, multimodal inputs,
+FSDP (the fused kernel reads ``lm_head.weight`` whole in its backward).
 
 LoRA: pass ``peft_config=peft.LoraConfig(...)`` as to ``GRPOTrainer``. TRL wraps the policy in a PeftModel; the
 fused head runs on its base model's decoder (adapters active), only the adapters train, and with ``beta > 0`` the
@@ -82,6 +103,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fastcov.correction import off_policy_sequence_mask, rollout_correction
 from fastcov.entropy_control import EntropyController
 from fastcov.integrations._require import require
 from fastcov.losses import LossConfig, Selection, aggregate_loss, compute_global_selection, policy_loss
@@ -103,7 +125,16 @@ LOSS_TYPE_AGG = {
     "bnpo": "token-mean",
     "grpo": "seq-mean-token-mean",
     "dr_grpo": "seq-mean-token-sum-norm",
+    "luspo": "seq-mean-token-sum",
+    "cispo": "token-mean",
+    "sapo": "seq-mean-token-mean",
 }
+# loss types that are a fastcov mode of their own (not PPO's clip, so not Clip-Cov / KL-Cov)
+LOSS_TYPE_MODE = {"cispo": "cispo", "sapo": "sapo"}
+# loss types whose token normalizer is TRL's num_items_in_batch (the accumulated batch's active tokens)
+_GLOBAL_TOKEN_TYPES = ("dapo", "cispo")
+_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+_NO_UPPER = 1e300  # TRL's clip_max=None: no upper bound (fastcov's weights are bounded by exp(20) anyway)
 _DEFAULTS = LossConfig()
 _SELECTION_KEYS = ("fastcov_cov_selection", "fastcov_high_entropy_selection")
 _CONTROL_FILE = "fastcov_entropy_control.json"
@@ -138,28 +169,54 @@ class FastcovGRPOConfig(GRPOConfig):
             raise ValueError(f"fastcov_loss_mode must be one of {MODES}, got {self.fastcov_loss_mode!r}")
         if self.fastcov_scope not in SCOPES:
             raise ValueError(f"fastcov_scope must be one of {SCOPES}, got {self.fastcov_scope!r}")
+        if self.loss_type == "vespo":
+            raise ValueError("loss_type='vespo' is not supported by FastcovGRPOConfig: VESPO's gamma weighting of the "
+                             "sequence ratio is not one of fastcov's loss modes")
         if self.loss_type not in LOSS_TYPE_AGG:
-            raise ValueError(
-                f"loss_type={self.loss_type!r} is not supported by FastcovGRPOConfig; use one of "
-                f"{tuple(LOSS_TYPE_AGG)} (fastcov's losses are PPO-clip / Clip-Cov / KL-Cov)"
-            )
-        refused = {
-            "importance_sampling_level": (self.importance_sampling_level != "token", "must be 'token'"),
-            "off_policy_mask_threshold": (self.off_policy_mask_threshold is not None, "must be None"),
-            "vllm_importance_sampling_correction": (
-                bool(self.use_vllm and self.vllm_importance_sampling_correction),
-                "must be False with use_vllm (fastcov's loss takes no per-token importance weights)",
-            ),
-        }
-        for name, (bad, why) in refused.items():
-            if bad:
-                raise ValueError(f"{name}={getattr(self, name)!r} is not supported by FastcovGRPOConfig: {why}")
+            raise ValueError(f"loss_type={self.loss_type!r} is not supported by FastcovGRPOConfig; use one of "
+                             f"{tuple(LOSS_TYPE_AGG)}")
+        sequence = self.importance_sampling_level == "sequence"
+        if self.importance_sampling_level not in ("token", "sequence"):
+            raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got "
+                             f"{self.importance_sampling_level!r}")
+        if sequence and self.loss_type in LOSS_TYPE_MODE:
+            raise ValueError(f"importance_sampling_level='sequence' is not supported with loss_type="
+                             f"{self.loss_type!r}: fastcov's sequence ratio is GSPO's PPO clip (loss_type grpo, bnpo, "
+                             "dr_grpo, dapo or luspo)")
+        if sequence and self.top_entropy_quantile != 1.0:
+            raise ValueError("top_entropy_quantile < 1 is not supported with importance_sampling_level='sequence' "
+                             "(TRL masks tokens of a sequence ratio, which fastcov's GSPO does not reproduce)")
+        if sequence and self.delta is not None:
+            raise ValueError("delta is not supported with importance_sampling_level='sequence' (fastcov's GSPO has "
+                             "no dual clip)")
+        if (sequence or self.loss_type in LOSS_TYPE_MODE) and self.fastcov_loss_mode != "vanilla":
+            raise ValueError(f"fastcov_loss_mode must be 'vanilla' with loss_type={self.loss_type!r}, "
+                             f"importance_sampling_level={self.importance_sampling_level!r}: Clip-Cov / KL-Cov select "
+                             "tokens inside PPO's token clip, which CISPO / SAPO / GSPO replace")
+        if self.fastcov_mode() != self.fastcov_loss_mode and self.fastcov_scope != "microbatch":
+            raise ValueError(f"fastcov_scope must be 'microbatch' with the {self.fastcov_mode()} loss (it selects no "
+                             "tokens)")
+        if self.use_vllm and self.vllm_importance_sampling_correction:
+            if self.vllm_importance_sampling_mode not in _IS_MODES:
+                raise ValueError(f"vllm_importance_sampling_mode must be one of {_IS_MODES}, got "
+                                 f"{self.vllm_importance_sampling_mode!r}")
+            for name in ("vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min"):
+                value = getattr(self, name)
+                if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                    raise ValueError(f"{name} must be a ratio > 0 or None, got {value!r}")
+            low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+            if low is not None and high is not None and low > high:
+                raise ValueError(f"vllm_importance_sampling_clip_min must be ≤ vllm_importance_sampling_clip_max, got "
+                                 f"{low} > {high}")
+        threshold = self.off_policy_mask_threshold
+        if threshold is not None and not (isinstance(threshold, (int, float)) and threshold >= 0):
+            raise ValueError(f"off_policy_mask_threshold must be a number ≥ 0 or None, got {threshold!r}")
         for name in ("epsilon", "epsilon_high"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not math.isfinite(value) or value < 0):
                 raise ValueError(f"{name} must be a finite number ≥ 0, got {value!r}")
-        if self.delta is not None:
+        if self.delta is not None and self.loss_type not in LOSS_TYPE_MODE:  # TRL ignores delta for cispo / sapo
             if self.fastcov_loss_mode == "kl_cov":
                 raise ValueError("delta is not supported with fastcov_loss_mode='kl_cov' (KL-Cov has no PPO clip)")
             if not self.delta > 1.0 + self._clip_high():
@@ -228,12 +285,24 @@ class FastcovGRPOConfig(GRPOConfig):
     def _clip_high(self) -> float:
         return float(self.epsilon if self.epsilon_high is None else self.epsilon_high)
 
+    def fastcov_mode(self) -> str:
+        """The fastcov loss mode TRL's options pick: "cispo" / "sapo" (loss_type), "gspo"
+        (importance_sampling_level="sequence"), else ``fastcov_loss_mode``."""
+        if self.loss_type in LOSS_TYPE_MODE:
+            return LOSS_TYPE_MODE[self.loss_type]
+        return "gspo" if self.importance_sampling_level == "sequence" else self.fastcov_loss_mode
+
     def fastcov_loss_config(self) -> LossConfig:
         """The ``fastcov.LossConfig`` these arguments describe."""
+        dual = None if self.delta is None or self.loss_type in LOSS_TYPE_MODE else float(self.delta)
         return LossConfig(
             clip_low=float(self.epsilon),
             clip_high=self._clip_high(),
-            dual_clip_c=None if self.delta is None else float(self.delta),
+            dual_clip_c=dual,
+            # TRL's CISPO: sg(min(r, epsilon_high)), no lower bound
+            cispo_clip_max=self._clip_high() if self.loss_type == "cispo" else _DEFAULTS.cispo_clip_max,
+            sapo_tau_pos=float(self.sapo_temperature_pos),
+            sapo_tau_neg=float(self.sapo_temperature_neg),
             clip_cov_ratio=self.clip_cov_ratio,
             clip_cov_lb=self.clip_cov_lb,
             clip_cov_ub=self.clip_cov_ub,
@@ -309,6 +378,7 @@ class FastcovGRPOTrainer(GRPOTrainer):
         if self.aux_loss_enabled:
             raise ValueError("router_aux_loss_coef: the MoE load-balancing loss is not supported; set it to 0")
         self._fastcov_config = self.args.fastcov_loss_config()
+        self._fastcov_mode = self.args.fastcov_mode()
         self._fastcov_ctl = self.args.fastcov_entropy_controller()
         self._fastcov_window = None  # [Σ H, tokens] of the current accumulation window (the controller's measurement)
         plugin = self.accelerator.state.deepspeed_plugin if self.is_deepspeed_enabled else None
@@ -392,20 +462,27 @@ class FastcovGRPOTrainer(GRPOTrainer):
         old = inputs.get("old_per_token_logps")
         old = logps.detach() if old is None else old
         advantages = _per_token(inputs["advantages"], logps)
+        loss_mode = self._fastcov_mode
+        weights, extra_metrics = self._fastcov_rollout_weights(inputs, logps, old, mask)
+        if weights is not None and loss_mode == "gspo":
+            # TRL's sequence ratio takes its gradient through the row's mean log-ratio, so a per-token weight acts
+            # as the row's mean weight (same loss, same gradient); fastcov's GSPO is the per-token form
+            rows = (weights * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
+            weights = rows.expand_as(weights) * (mask != 0)
 
         mode = "train" if self.model.training else "eval"
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
         agg = LOSS_TYPE_AGG[self.loss_type]
         global_tokens = global_seqs = None
         scale = 1.0 / accumulation
-        if self.loss_type == "dapo":  # TRL's normalizer: the accumulated batch's active tokens per process
+        if self.loss_type in _GLOBAL_TOKEN_TYPES:  # TRL's normalizer: the accumulated batch's active tokens/process
             global_tokens = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
             if mode == "train":
                 global_tokens = global_tokens * accumulation / self.args.steps_per_generation
             scale = 1.0
         elif self.loss_type == "bnpo":
             global_tokens = mask.sum()
-        else:  # grpo, dr_grpo: mean over the micro-batch's rows, empty ones included
+        else:  # grpo, sapo, dr_grpo, luspo: mean over the micro-batch's rows, empty ones included
             global_seqs = mask.shape[0]
         scope = self.args.fastcov_scope
         selection = None
@@ -415,15 +492,19 @@ class FastcovGRPOTrainer(GRPOTrainer):
         if ctl is not None and ctl.knob != "entropy_coef":
             config = dataclasses.replace(config, **{ctl.knob: ctl.applied})
         loss, metrics = policy_loss(
-            logps, old, advantages, mask, mode=self.args.fastcov_loss_mode, agg=agg, scope=scope,
+            logps, old, advantages, mask, mode=loss_mode, agg=agg, scope=scope,
             config=config, entropy=entropies, group=self._fastcov_group() if scope == "global" else None,
-            global_tokens=global_tokens, global_seqs=global_seqs, selection=selection,
+            global_tokens=global_tokens, global_seqs=global_seqs, selection=selection, weights=weights,
         )
+        metrics.update(extra_metrics)
         if self.beta != 0.0:
             ref = inputs["ref_per_token_logps"]
             per_token_kl = torch.exp(ref - logps) - (ref - logps) - 1
-            if self.args.use_bias_correction_kl:
-                per_token_kl = per_token_kl * torch.exp(logps - old)
+            if self.args.use_bias_correction_kl:  # TRL's: × the ratio to the old policy (GSPO's at sequence level)
+                log_ratio = logps - old
+                if self.importance_sampling_level == "sequence":
+                    log_ratio = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
+                per_token_kl = per_token_kl * torch.exp(log_ratio)
             loss = loss + self.beta * aggregate_loss(
                 per_token_kl, mask, agg, global_tokens=global_tokens, global_seqs=global_seqs,
                 loss_scale_factor=self._fastcov_config.loss_scale_factor,
@@ -434,6 +515,37 @@ class FastcovGRPOTrainer(GRPOTrainer):
         if self.args.entropy_coef != 0.0 or ctl is not None:
             loss = self._fastcov_entropy_control(mode, loss, entropies, mask, selection, accumulation)
         return loss
+
+    def _fastcov_rollout_weights(self, inputs, logps, old, mask):
+        """Per-token loss weights [B, C] (or None) and their metrics: TRL's vLLM importance-sampling correction
+        (``fastcov.rollout_correction`` of log π_old − log π_sampler, NaN sampler log-probs → ratio 1) times TRL's
+        off-policy sequence mask (``fastcov.off_policy_sequence_mask`` of log π − log π_sampler, or of
+        log π − log π_old without the sampler's log-probs)."""
+        weights, metrics = None, {}
+        valid = mask != 0
+        if not bool(valid.any()):  # nothing to weight (and TRL's weights multiply nothing)
+            return weights, metrics
+        sampling = inputs.get("sampling_per_token_logps")
+        if self.use_vllm and self.vllm_importance_sampling_correction:
+            if sampling is None:
+                raise ValueError("vllm_importance_sampling_correction needs the sampler's log-probs "
+                                 "(sampling_per_token_logps), which this rollout did not return")
+            level, how = self.vllm_importance_sampling_mode.split("_")
+            clip_max = self.vllm_importance_sampling_clip_max
+            log_ratio = torch.nan_to_num((old - sampling) * mask, nan=0.0)
+            weights, is_metrics = rollout_correction(
+                log_ratio, valid, level=level, mode=how, clip_max=_NO_UPPER if clip_max is None else float(clip_max),
+                clip_min=self.vllm_importance_sampling_clip_min)
+            metrics["rollout_is_mean"] = is_metrics["rollout_is_mean"]
+        if self.off_policy_mask_threshold is not None:
+            reference = old if sampling is None else sampling
+            log_ratio = torch.nan_to_num(logps.detach() - reference, nan=0.0)
+            keep, mask_metrics = off_policy_sequence_mask(log_ratio, inputs["advantages"].to(log_ratio.dtype), valid,
+                                                          float(self.off_policy_mask_threshold))
+            metrics.update(mask_metrics)
+            keep = keep.to(logps.dtype)
+            weights = keep if weights is None else weights.to(logps.dtype) * keep
+        return weights, metrics
 
     def _fastcov_entropy_control(self, mode, loss, entropies, mask, selection, accumulation):
         """TRL's entropy bonus (``entropy_coef`` or the controller's coefficient) and, in training, the controller's
