@@ -6,6 +6,7 @@ attention)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -40,6 +41,11 @@ def check_metrics(run_dir: Path, steps: int) -> None:
     for r in trained:
         assert 0 < r["rollout_logprob_diff_mean"] <= r["rollout_logprob_diff_max"] <= MISMATCH_MAX, r
         assert r["rollout_logprob_diff_mean"] == r["rollout_logprob_diff"]
+        # the rollout correction is on by default with vLLM (algo.rollout_correction): its metrics, finite
+        corr = {k: v for k, v in r.items() if k.startswith("rollout_corr/")}
+        assert "rollout_corr/rollout_is_mean" in corr and "rollout_corr/kl" in corr, sorted(r)
+        assert all(math.isfinite(v) for v in corr.values()), corr
+        assert abs(corr["rollout_corr/rollout_is_mean"] - 1) < 0.1, corr  # bf16 parity: weights near 1
 
 
 def tiny_model_dir(path: Path) -> Path:
