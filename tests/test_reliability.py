@@ -214,6 +214,27 @@ def test_a_build_lock_is_taken_over_only_when_its_holder_is_gone(tmp_path, capsy
     assert take_over_stale_locks(tmp_path, now=time.time() + STALE_AFTER_S + 1) == [fresh, held]  # holders gone
 
 
+def test_build_locks_are_found_under_torchs_default_root_without_creating_folders(tmp_path, monkeypatch):
+    """Without TORCH_EXTENSIONS_DIR the locks are looked for in every per-Python, per-accelerator folder of torch's
+    default root, and looking creates nothing there."""
+    import time
+
+    import torch.utils.cpp_extension as cpp_extension
+
+    from fastcov.trainer.runtime.extensions import extensions_roots, take_over_stale_locks
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    monkeypatch.setattr(cpp_extension, "get_default_build_root", lambda: str(tmp_path))
+    lock = tmp_path / "py311_cpu" / "cpu_adam" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    os.utime(lock, (time.time() - 60, time.time() - 60))
+    before = sorted(p for p in tmp_path.rglob("*"))
+    assert extensions_roots() == [tmp_path / "py311_cpu"]
+    assert take_over_stale_locks() == [lock]
+    assert sorted(p for p in tmp_path.rglob("*")) == [p for p in before if p != lock]
+
+
 def test_a_kill_during_start_up_never_hangs_the_next_run(tmp_path):
     """Runs SIGKILLed at moments through their start-up (imports, DeepSpeed and gloo, the model, the first rollout),
     with build locks a killed builder left in the extensions folder: the next ``--resume`` trains, in bounded time."""

@@ -86,9 +86,9 @@ def check_cpu_attention(config) -> None:
     head_dim, dims = model_head_dim(config), cpu_head_dims()
     if head_dim not in dims:
         raise ConfigError(f"model.arch: head_dim {head_dim} (hidden_size {config.hidden_size} / "
-                         f"{config.num_attention_heads} heads) is not one vLLM's CPU attention takes; it takes "
-                         f"{', '.join(map(str, dims))} (e.g. model.arch.hidden_size="
-                         f"{64 * int(config.num_attention_heads)} for 64)")
+                          f"{config.num_attention_heads} heads) is not one vLLM's CPU attention takes; it takes "
+                          f"{', '.join(map(str, dims))} (e.g. model.arch.hidden_size="
+                          f"{64 * int(config.num_attention_heads)} for 64)")
 
 
 def colocated_platform(device: torch.device, config=None) -> bool:
@@ -97,8 +97,8 @@ def colocated_platform(device: torch.device, config=None) -> bool:
     current_platform = importlib.import_module("vllm.platforms").current_platform  # resolved lazily by vLLM
     if not (device.type == "cuda" or (device.type == "cpu" and current_platform.is_cpu())):
         raise ConfigError(f"rollout.vllm_mode: colocated vLLM needs CUDA training ranks, or CPU ranks with vLLM's "
-                         f"CPU build (trainer.device is {device.type}, vLLM's platform "
-                         f"{type(current_platform).__name__})")
+                          f"CPU build (trainer.device is {device.type}, vLLM's platform "
+                          f"{type(current_platform).__name__})")
     if current_platform.is_cpu() and config is not None:
         check_cpu_attention(config)
     sleep = bool(current_platform.is_sleep_mode_available())

@@ -32,12 +32,15 @@ def skip_shm_comm_op() -> None:
     compatible[SHM_COMM_OP] = False
 
 
-def extensions_root() -> Path:
-    """The folder torch builds extensions in (``TORCH_EXTENSIONS_DIR``, else its per-Python, per-accelerator
-    default under the user's cache)."""
-    from torch.utils.cpp_extension import _get_build_directory
+def extensions_roots() -> list[Path]:
+    """The folders torch builds extensions in: ``TORCH_EXTENSIONS_DIR``, else every per-Python, per-accelerator
+    folder under torch's default root (read, never created: torch's own resolver makes the op's folder)."""
+    from torch.utils.cpp_extension import get_default_build_root
 
-    return Path(_get_build_directory("_", verbose=False)).parent
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return [Path(os.environ["TORCH_EXTENSIONS_DIR"])]
+    default = Path(get_default_build_root())
+    return sorted(p for p in default.iterdir() if p.is_dir()) if default.is_dir() else []
 
 
 def lock_holders(path: Path) -> list[int]:
@@ -63,14 +66,15 @@ def lock_holders(path: Path) -> list[int]:
 
 
 def take_over_stale_locks(root: Path | None = None, now: float | None = None) -> list[Path]:
-    """Remove every ``<root>/<op>/lock`` that no live process holds open and that is older than STALE_AFTER_S;
-    says so in one line per lock. Returns the locks removed. Does nothing where /proc cannot tell (not Linux)."""
+    """Remove every ``<root>/<op>/lock`` (``root``: default every folder of ``extensions_roots()``) that no live
+    process holds open and that is older than STALE_AFTER_S; says so in one line per lock. Returns the locks
+    removed. Does nothing where /proc cannot tell (not Linux)."""
     if not Path("/proc/self/fd").is_dir():
         return []
-    root = extensions_root() if root is None else root
+    roots = extensions_roots() if root is None else [root]
     now = time.time() if now is None else now
     removed = []
-    for lock in sorted(root.glob("*/lock")) if root.is_dir() else ():
+    for lock in sorted(found for r in roots if r.is_dir() for found in r.glob("*/lock")):
         try:
             stat = lock.stat()
         except FileNotFoundError:
