@@ -96,6 +96,11 @@ class RunDirLock:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = _holder(fd)
+            deadline = time.monotonic() + 2.0
+            while not holder and time.monotonic() < deadline:  # it holds the lock and writes its name just after
+                time.sleep(0.05)
+                holder = _holder(fd)
+            holder = holder or "another process (which has not written its pid yet)"
             os.close(fd)
             raise RunDirBusy(f"trainer.run_dir: {str(run_dir)!r} is in use by {holder}; wait for that run to "
                              "end (or stop it), or choose another trainer.run_dir") from None
