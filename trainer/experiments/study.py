@@ -60,9 +60,12 @@ def load_study(path: str | Path) -> dict:
         raise UserError(f"{p}: a study needs 'arms', a mapping of name -> list of KEY=VALUE overrides")
     for key in data:
         if key not in ("title", "base", "out", "setup", "task", "common", "arms", "notes", "seeds", "pass_k",
-                       "contrasts", "selection_contrasts"):
+                       "contrasts", "selection_contrasts", "target"):
             raise UserError(f"{p}: unknown study key {key!r} (title, base, out, setup, task, common, arms, notes, "
-                            "seeds, pass_k, contrasts, selection_contrasts)")
+                            "seeds, pass_k, contrasts, selection_contrasts, target)")
+    target = data.get("target")
+    if target is not None and (isinstance(target, bool) or not isinstance(target, (int, float)) or not target > 0):
+        raise UserError(f"{p}: target must be a positive number (nats per response token), got {target!r}")
     seeds = data.get("seeds", [None])
     if not isinstance(seeds, list) or not seeds or not all(s is None or (isinstance(s, int) and s >= 0) for s in seeds):
         raise UserError(f"{p}: seeds must be a non-empty list of non-negative ints, got {seeds!r}")
@@ -294,9 +297,11 @@ def _seed_report(study, args, out: Path, base: str, arms, seeds, run_dirs, timin
         plot_bands,
         plot_harder,
         plot_selection,
+        plot_target,
         run_numbers,
         selection_section,
         study_tables,
+        target_holding,
     )
 
     pass_k = int(study.get("pass_k", 8))
@@ -312,6 +317,12 @@ def _seed_report(study, args, out: Path, base: str, arms, seeds, run_dirs, timin
     if study.get("notes"):
         head += [str(study["notes"]).strip(), ""]
     bars = plot_harder(summary["harder"], out / "harder.png") if "harder" in summary else None
+    if study.get("target") is not None:
+        target = float(study["target"])
+        held, summary["target_holding"] = target_holding(numbers, target)
+        target_plot = plot_target(numbers, target, out / "entropy_target.png")
+        picture = ["", f"![entropy against the target]({target_plot.name})"] if target_plot else []
+        lines = held + picture + [""] + lines
     pairs = _selection_pairs(study, arms, seeds, cfgs, run_dirs)
     if pairs:
         lines += selection_section(numbers, pairs, pass_k, summary)

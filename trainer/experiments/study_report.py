@@ -122,6 +122,7 @@ def run_numbers(run_dir: Path, pass_k: int) -> dict[str, Any]:
         "steps": [r["step"] for r in train],
         "entropy": [r["entropy"] for r in train],
         "rollout_acc": [r.get("acc_mean", r.get("reward_mean")) for r in train],
+        "control_value": [r.get("entropy_control/value") for r in train],
         "eval_steps": [r["step"] for r in evals],
         "val_acc": [r["val_acc"] for r in evals],
         "start_entropy": train[0]["entropy"],
@@ -378,6 +379,108 @@ def plot_bands(numbers: dict[str, list[dict[str, Any]]], path: Path) -> Path | N
     ax.set_ylabel("rollout entropy (nats/token)")
     ax.set_title("Entropy across seeds (line: mean, band: min-max)")
     ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def target_holding(numbers: dict[str, list[dict[str, Any]]], target: float,
+                   baseline: str = "grpo") -> tuple[list[str], dict[str, Any]]:
+    """How close each arm holds the rollout entropy at ``target`` (nats/token): mean |H − target| over the second
+    half of its steps and the share of those steps within 10% of the target (mean ± 95% CI across seeds), and per
+    seed the first step within 10% ("never" if none). Markdown lines and a summary dict keyed by arm."""
+    band = 0.1 * target
+    lines = [f"How each arm holds the target {target:g} nats/token (second half of the steps; within 10% = "
+             f"|H − {target:g}| ≤ {band:.3g}):", "",
+             "| arm | mean abs(H − target) | second-half steps within 10% | first step within 10% (per seed) | "
+             "mean H, second half |", "|---|---:|---:|---|---:|"]
+    summary: dict[str, Any] = {"target": target, "arms": {}}
+    for arm, runs in numbers.items():
+        errors, shares, firsts, means = [], [], [], []
+        for r in runs:
+            steps, ent = r["steps"], r["entropy"]
+            half = ent[len(ent) // 2:]
+            errors.append(_abs_error(r, target))
+            shares.append(sum(abs(h - target) <= band for h in half) / len(half))
+            means.append(sum(half) / len(half))
+            firsts.append(next((s for s, h in zip(steps, ent) if abs(h - target) <= band), None))
+        err, share, mean_h = mean_ci(errors), mean_ci(shares), mean_ci(means)
+        summary["arms"][arm] = {"abs_error": {"mean": err[0], "ci95": err[1]},
+                                "share_within_10pct": {"mean": share[0], "ci95": share[1]},
+                                "second_half_entropy": {"mean": mean_h[0], "ci95": mean_h[1]},
+                                "first_step_within_10pct": firsts}
+        first_text = ", ".join("never" if f is None else str(f) for f in firsts)
+        lines.append(f"| {arm} | {_cell(*err)} | {_cell(*share, '.2f')} | {first_text} | {_cell(*mean_h)} |")
+    if baseline in numbers:
+        base = [_abs_error(r, target) for r in numbers[baseline]]
+        lines.append("")
+        for arm, runs in numbers.items():
+            if arm == baseline:
+                continue
+            gap, half_w = diff_ci([_abs_error(r, target) for r in runs], base)
+            summary["arms"][arm]["abs_error_gap"] = {"mean": gap, "ci95": half_w,
+                                                     "excludes_zero": _excludes_zero(gap, half_w)}
+            verdict = "excludes" if _excludes_zero(gap, half_w) else "includes"
+            lines.append(f"- {arm} − {baseline}, mean abs(H − target): {_cell(gap, half_w)} "
+                         f"(the interval {verdict} 0).")
+    return lines, summary
+
+
+def _abs_error(run: dict[str, Any], target: float) -> float:
+    """Mean |H − target| over the second half of a run's steps."""
+    half = run["entropy"][len(run["entropy"]) // 2:]
+    return sum(abs(h - target) for h in half) / len(half)
+
+
+def plot_target(numbers: dict[str, list[dict[str, Any]]], target: float, path: Path,
+                baseline: str = "grpo") -> Path | None:
+    """One panel per arm: its entropy (mean over seeds, min-max band), the baseline's mean dashed, the target as a
+    horizontal line; under it, for arms with a controller, the knob's value (mean over seeds, log scale)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    arms = list(numbers)
+    cols = 4
+    rows = math.ceil(len(arms) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.6 * rows), sharex=True, sharey=True, squeeze=False)
+
+    def mean_band(runs, key):
+        n = min(len(r[key]) for r in runs)
+        cols_ = [[r[key][i] for r in runs] for i in range(n)]
+        if any(v is None for c in cols_ for v in c):
+            return None
+        return (runs[0]["steps"][:n], [sum(c) / len(c) for c in cols_], [min(c) for c in cols_],
+                [max(c) for c in cols_])
+
+    base = mean_band(numbers[baseline], "entropy") if baseline in numbers else None
+    for ax, arm in zip(axes.flat, arms):
+        steps, mean, lo, hi = mean_band(numbers[arm], "entropy")
+        ax.fill_between(steps, lo, hi, color="C0", alpha=0.25, lw=0)
+        ax.plot(steps, mean, color="C0", lw=1.2, label=arm)
+        if base is not None and arm != baseline:
+            ax.plot(base[0], base[1], color="0.5", lw=1.0, ls="--", label=baseline)
+        ax.axhline(target, color="C3", lw=1.0, label=f"target {target:g}")
+        ax.set_title(arm, fontsize=9)
+        ax.tick_params(labelsize=7)
+        control = mean_band(numbers[arm], "control_value")
+        if control is not None:
+            twin = ax.twinx()
+            twin.plot(control[0], control[1], color="C2", lw=0.8, alpha=0.8)
+            twin.set_yscale("symlog", linthresh=1e-4)
+            twin.tick_params(labelsize=6, colors="C2")
+    for ax in axes.flat[len(arms):]:
+        ax.axis("off")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("entropy (nats/token)", fontsize=8)
+    for ax in axes[-1, :]:
+        ax.set_xlabel("step", fontsize=8)
+    fig.suptitle(f"Rollout entropy per arm (blue: mean over seeds, band min-max; grey dashed: {baseline}; "
+                 f"red: target; green, right axis: the controller's knob)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
