@@ -148,7 +148,14 @@ def test_the_controllers_study_loads_every_arm():
     for name, over in study["arms"].items():
         cfg = load_config(ROOT / "configs" / "demo.yaml", list(study["common"]) + list(over))
         assert (cfg.algo.entropy_control.target is not None) == ("entropy_control" in " ".join(over)), name
-        assert entropy_control.start(cfg.algo, rank=1) is None or cfg.algo.entropy_control.target == 0.25
+        assert entropy_control.start(cfg.algo, rank=1) is None or cfg.algo.entropy_control.target == study["target"]
+    # the arms issue 41 names, each with what makes it that arm
+    wanted = {"grpo": "algo.mode=vanilla", "bonus_fixed": "algo.entropy_coef=", "bonus_adaptive": "gate=true",
+              "clip_higher": "algo.clip_high=0.28", "clip_cov": "algo.mode=clip_cov", "kl_cov": "algo.mode=kl_cov",
+              "kl_cov_beta_target": "knob=kl_cov_coef", "kl_cov_ratio_target": "knob=kl_cov_ratio",
+              "high_entropy_20": "algo.high_entropy_fraction=0.2", "entropy_advantage": "algo.entropy_advantage.alpha="}
+    for arm, marker in wanted.items():
+        assert marker in " ".join(study["arms"][arm]), arm
 
 
 # ---------------------------------------------------------------- 2 ranks = 1 process

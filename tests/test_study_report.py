@@ -168,3 +168,50 @@ def test_selection_section_states_which_contrasts_exclude_zero(tmp_path):
     assert "none excludes 0" in selection_section(same, _pairs(), 8, {})[-1]
     one = {a: runs[:1] for a, runs in numbers.items()}
     assert "With one seed per arm there are no intervals" in selection_section(one, _pairs(), 8, {})[-1]
+
+
+def test_target_holding_measures_error_share_and_first_arrival(tmp_path):
+    from fastcov.trainer.experiments.study_report import plot_target, target_holding
+
+    target = 0.25
+
+    def run(ent, control=None):
+        steps = list(range(1, len(ent) + 1))
+        return {"steps": steps, "entropy": ent, "control_value": control or [None] * len(ent)}
+
+    # held: falls from 0.4 to the target by step 5, then alternates 0.24 / 0.26 (|error| 0.01, inside 10%)
+    held = [0.40, 0.36, 0.32, 0.29, 0.27] + [0.24, 0.26] * 5 + [0.25]
+    # collapsing: passes through the band once (step 4: 0.26), then falls to 0.05
+    falls = [0.40, 0.35, 0.30, 0.26, 0.20] + [0.05] * 11
+    numbers = {"grpo": [run(falls), run([h + 0.002 for h in falls]), run([h - 0.002 for h in falls])],
+               "ctl": [run(held, [0.001 * i for i in range(16)]), run(held[:1] + held[1:]), run(held)]}
+    lines, summary = target_holding(numbers, target)
+    ctl, grpo = summary["arms"]["ctl"], summary["arms"]["grpo"]
+    second = held[8:]
+    assert ctl["abs_error"]["mean"] == pytest.approx(sum(abs(h - target) for h in second) / len(second))
+    assert ctl["share_within_10pct"]["mean"] == pytest.approx(1.0)
+    assert ctl["first_step_within_10pct"] == [5, 5, 5]
+    assert grpo["first_step_within_10pct"] == [4, 4, 4]
+    assert grpo["abs_error"]["mean"] == pytest.approx(0.20, abs=0.003) and grpo["share_within_10pct"]["mean"] == 0
+    assert ctl["abs_error_gap"]["mean"] == pytest.approx(ctl["abs_error"]["mean"] - grpo["abs_error"]["mean"])
+    assert ctl["abs_error_gap"]["excludes_zero"]
+    text = "\n".join(lines)
+    assert "| ctl |" in text and "5, 5, 5" in text and "ctl − grpo, mean abs(H − target)" in text
+    # an arm that never comes within 10% says so
+    _, summary = target_holding({"grpo": [run([0.4] * 6)] * 2}, target)
+    assert summary["arms"]["grpo"]["first_step_within_10pct"] == [None, None]
+    png = plot_target(numbers, target, tmp_path / "t.png")
+    assert png is None or (png.is_file() and png.stat().st_size > 1000)
+
+
+def test_study_target_must_be_a_positive_number(tmp_path):
+    from fastcov.errors import UserError
+    from fastcov.trainer.experiments.study import load_study
+
+    for bad in ("0", "-0.1", "true", "high"):
+        p = tmp_path / "s.yaml"
+        p.write_text(f"arms: {{a: [algo.mode=vanilla]}}\ntarget: {bad}\n")
+        with pytest.raises(UserError, match="target must be a positive number"):
+            load_study(p)
+    p.write_text("arms: {a: [algo.mode=vanilla]}\ntarget: 0.25\n")
+    assert load_study(p)["target"] == 0.25
