@@ -215,3 +215,29 @@ def test_selection_study_smoke_reports_the_selection_section(tmp_path):
     assert tokens["arm"]["mean"] > 0 and tokens["control"]["mean"] > 0
     (tmp_path / "report.md").unlink()
     assert main(args + ["--report-only"]) == 0 and (tmp_path / "report.md").read_text() == text
+
+
+def test_controllers_study_smoke_reports_how_each_arm_holds_the_target(tmp_path):
+    """configs/studies/controllers.yaml at a tiny size, 2 arms x 2 seeds: the report's target section (error,
+    share within 10%, first arrival per seed) and the panel plot, and the controller's value in the numbers."""
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("transformers")
+    from fastcov.trainer.experiments.study import main
+
+    study_file = ROOT / "configs" / "studies" / "controllers.yaml"
+    rc = main([str(study_file), "--out", str(tmp_path), "--sft-steps", "2", "--n-train", "64", "--n-val", "4",
+               "--seeds", "0,1", "--arms", "grpo,bonus_adaptive", "trainer.max_steps=6", "trainer.eval_every=6",
+               "trainer.eval_k=2", "trainer.prompts_per_step=2", "rollout.n=4", "algo.mini_batches=1",
+               "rollout.max_new_tokens=6", "trainer.progress=false"])
+    assert rc == 0
+    text = (tmp_path / "report.md").read_text()
+    assert "How each arm holds the target 0.25 nats/token" in text
+    assert "| bonus_adaptive |" in text and "bonus_adaptive − grpo, mean abs(H − target)" in text
+    assert "![entropy against the target](entropy_target.png)" in text and (tmp_path / "entropy_target.png").is_file()
+    summary = json.loads((tmp_path / "study.json").read_text())
+    held = summary["target_holding"]
+    assert held["target"] == 0.25 and set(held["arms"]) == {"grpo", "bonus_adaptive"}
+    assert len(held["arms"]["grpo"]["first_step_within_10pct"]) == 2
+    values = [json.loads(line).get("entropy_control/value")
+              for line in (tmp_path / "bonus_adaptive" / "seed0" / "metrics.jsonl").read_text().splitlines()]
+    assert any(v is not None for v in values)
