@@ -329,8 +329,10 @@ def _key(config) -> tuple:
     return kw["BLOCK_N"], kw["BLOCK_V"], kw["BLOCK_D"], config.num_warps, config.num_stages
 
 
+# The switches that decide the pruned space are part of the key: keyed on the shape alone, a first call without the
+# covariance sums cached the 256×128 tile, and a later call with them on the same shape reused it (it spills there).
 _forward_tuned = triton.autotune(configs=_as_configs(dict.fromkeys(_FWD_WIDE + _FWD_LARGE + _FWD_MEDIUM + _FP32)),
-                                 key=["N_BUCKET", "V", "D", "SPLITS"],
+                                 key=["N_BUCKET", "V", "D", "SPLITS", "HAS_BIAS", "COV", "TOPK"],
                                  prune_configs_by={"early_config_prune": _prune_forward})(_forward_kernel)
 _dz_tuned = triton.autotune(configs=_as_configs(dict.fromkeys(_DZ + _FP32)), key=["N_BUCKET", "V", "D"],
                             prune_configs_by={"early_config_prune": _prune_dz})(_dz_kernel)
@@ -339,8 +341,8 @@ _dz_tuned = triton.autotune(configs=_as_configs(dict.fromkeys(_DZ + _FP32)), key
 
 def autotune_picks() -> list[dict]:
     """The configs the autotuners have picked in this process, one dict per cached key: kernel name, the key
-    (N bucket, V, D[, splits], then the tensor dtypes, as Triton builds it) and the config, labelled as
-    ``bench/results/compile`` labels it (``BLOCK_N x BLOCK_V x BLOCK_D / warps, stages``)."""
+    (N bucket, V, D[, splits, bias, covariance, top-k], then the tensor dtypes, as Triton builds it) and the
+    config, labelled as ``bench/results/compile`` labels it (``BLOCK_N x BLOCK_V x BLOCK_D / warps, stages``)."""
     picks = []
     for kernel, tuner in (("_forward_kernel", _forward_tuned), ("_dz_kernel", _dz_tuned)):
         for key, cfg in dict(getattr(tuner, "cache", {})).items():

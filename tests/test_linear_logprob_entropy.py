@@ -558,3 +558,22 @@ def test_twin_logprob_only_backward_skips_the_entropy_term_and_stays_exact():
     ref_grads = torch.autograd.grad(ref["logprob"].sum(), ref_leaves)
     for got, want in zip(grads, ref_grads):
         torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-4)
+
+
+def test_forward_autotune_key_has_every_switch_its_pruning_reads():
+    """The forward's autotuner caches one config per key; its pruning picks the space from the input dtype and the
+    bias, covariance and top-k switches. A switch missing from the key lets a config pruned for one setting
+    (the 256×128 tile, offered without the covariance sums) be reused, from the cache, for another (where it spills)."""
+    import inspect
+
+    pytest.importorskip("triton")
+    from fastcov.kernels import linear_logprob_entropy as K
+
+    read_by_pruning = {"HAS_BIAS", "COV", "TOPK"}
+    assert read_by_pruning <= set(inspect.signature(K._forward_kernel.fn).parameters)
+    assert set(K._forward_tuned.keys) >= {"N_BUCKET", "V", "D", "SPLITS"} | read_by_pruning
+    pruning = inspect.getsource(K._prune_forward)
+    assert all(f'"{name}"' in pruning for name in read_by_pruning)
+    # the spaces differ across those switches, so the key must tell them apart
+    assert K.forward_space("bfloat16", cov=False) != K.forward_space("bfloat16", cov=True)
+    assert K.forward_space("bfloat16", topk=4, cov=True) != K.forward_space("bfloat16", cov=True)
