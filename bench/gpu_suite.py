@@ -562,7 +562,10 @@ def autotune_rows(cases: list[dict], arch: str, predictions: dict) -> list[dict]
     out = []
     for c in cases:
         for pick in c.get("autotune") or []:
-            dtype = pick["key"][-1].removeprefix("torch.") if pick["key"] else c.get("dtype")
+            # Triton appends every tensor argument's dtype to the key: the first is the hidden states' (the last,
+            # the top-k indices', is int32 whatever the input)
+            dtype = next((str(k).removeprefix("torch.") for k in pick["key"] if str(k).startswith("torch.")),
+                         c.get("dtype"))
             pred = predictions.get((pick["kernel"], dtype, pick["config"]))
             out.append({"group": c["group"], "n": c["n"], "kernel": pick["kernel"], "key": pick["key"],
                         "config": pick["config"], "dtype": dtype, "in_report": pred is not None,

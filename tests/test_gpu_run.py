@@ -170,9 +170,13 @@ def test_autotune_picks_beside_the_compile_report():
     preds = S.compile_predictions("sm_90a")
     assert preds, "bench/results/compile/fastcov.jsonl has sm_90a rows"
     (kernel, dtype, config), row = next((k, r) for k, r in preds.items() if k[1] == "bfloat16")
+    # the key as Triton 3.x builds it: the key's arguments, then the dtype of every tensor argument in order
+    # (hidden, weight, bias, labels, partials, top-k values, top-k indices)
+    key = ["4096", "152064", "3584", "1", "False", "True", "0", "torch.bfloat16", "torch.bfloat16", "torch.bfloat16",
+           "torch.int64", "torch.float32", "torch.float32", "torch.int32"]
     case = {"group": "qwen2.5-7b", "n": 4096, "autotune": [
-        {"kernel": kernel, "key": ["4096", "152064", "3584", "1", "torch.bfloat16"], "config": config},
-        {"kernel": kernel, "key": ["4096", "152064", "3584", "1", "torch.bfloat16"], "config": "1x1x1/w1s1"}]}
+        {"kernel": kernel, "key": key, "config": config},
+        {"kernel": kernel, "key": key, "config": "1x1x1/w1s1"}]}
     got = S.autotune_rows([case], "sm_90a", preds)
     assert got[0]["in_report"] and got[0]["registers"] == row["registers"] and got[0]["dtype"] == "bfloat16"
     assert got[0]["spill_stores"] == row["spill_stores"] == 0
