@@ -214,6 +214,34 @@ def test_a_build_lock_is_taken_over_only_when_its_holder_is_gone(tmp_path, capsy
     assert take_over_stale_locks(tmp_path, now=time.time() + STALE_AFTER_S + 1) == [fresh, held]  # holders gone
 
 
+def test_a_lock_being_released_is_left_to_its_releaser(tmp_path, monkeypatch):
+    """torch's builder closes its lock, then removes it. A look between the two sees an old lock no one holds; the
+    take-over looks again a moment later and leaves a lock that is gone or is another file by then, so the
+    builder's own remove still finds it (removing it under the builder crashed a rank of a 2-process test)."""
+    import time
+
+    from fastcov.trainer.runtime import extensions
+
+    releasing, retaken, stale = (tmp_path / name / "lock" for name in ("releasing_op", "retaken_op", "stale_op"))
+    for lock in (releasing, retaken, stale):
+        lock.parent.mkdir()
+        lock.touch()
+        os.utime(lock, (time.time() - 60, time.time() - 60))
+    looks_again = []
+
+    def meanwhile(seconds):  # the recheck's pause: the builders finish their release (and one takes the lock again)
+        looks_again.append(seconds)
+        releasing.unlink()
+        retaken.unlink()
+        retaken.touch()
+
+    monkeypatch.setattr(extensions.time, "sleep", meanwhile)
+    assert extensions.take_over_stale_locks(tmp_path) == [stale]
+    assert looks_again == [extensions.RECHECK_AFTER_S] and retaken.exists() and not stale.exists()
+    assert extensions.take_over_stale_locks(tmp_path) == []  # nothing looks stale: no pause either
+    assert looks_again == [extensions.RECHECK_AFTER_S]
+
+
 def test_build_locks_are_found_under_torchs_default_root_without_creating_folders(tmp_path, monkeypatch):
     """Without TORCH_EXTENSIONS_DIR the locks are looked for in every per-Python, per-accelerator folder of torch's
     default root, and looking creates nothing there."""

@@ -21,6 +21,8 @@ from pathlib import Path
 SHM_COMM_OP = "deepspeed_shm_comm"
 # a lock younger than this may be one whose creator is between its os.open and our look at /proc
 STALE_AFTER_S = 2.0
+# a lock that looks stale is looked at again after this long before it is removed (see take_over_stale_locks)
+RECHECK_AFTER_S = 1.0
 
 
 def skip_shm_comm_op() -> None:
@@ -73,16 +75,23 @@ def take_over_stale_locks(root: Path | None = None, now: float | None = None) ->
         return []
     roots = extensions_roots() if root is None else [root]
     now = time.time() if now is None else now
-    removed = []
+    candidates = []
     for lock in sorted(found for r in roots if r.is_dir() for found in r.glob("*/lock")):
         try:
             stat = lock.stat()
         except FileNotFoundError:
             continue
-        if now - stat.st_mtime < STALE_AFTER_S or lock_holders(lock):
-            continue
+        if now - stat.st_mtime >= STALE_AFTER_S and not lock_holders(lock):
+            candidates.append((lock, stat))
+    if candidates:
+        # torch's builder closes the lock before it removes it: a look that falls between the two sees a lock
+        # nobody holds, and removing it then makes the builder's own remove fail. Such a lock is gone a moment
+        # later; one its holder's death left is still there, the same file, still held by no one.
+        time.sleep(RECHECK_AFTER_S)
+    removed = []
+    for lock, stat in candidates:
         try:
-            if lock.stat().st_ino != stat.st_ino:  # released and taken again meanwhile
+            if lock.stat().st_ino != stat.st_ino or lock_holders(lock):  # released, or released and taken again
                 continue
             lock.unlink()
         except FileNotFoundError:
