@@ -62,7 +62,8 @@ class LossConfig:
     clip_cov_ratio, clip_cov_lb, clip_cov_ub: Clip-Cov fraction and open covariance band.
     kl_cov_ratio, kl_cov_coef: KL-Cov fraction and β.
     cispo_clip_max, cispo_clip_min: CISPO's bounds on sg(r) (min None: none); sapo_tau_pos, sapo_tau_neg:
-        SAPO's temperatures (fastcov/policy_modes.py).
+        SAPO's temperatures; vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: VESPO's gamma weight's
+        power k and decay λ for A ≥ 0 / A < 0 (fastcov/policy_modes.py).
     entropy_coef: entropy bonus, loss −= entropy_coef · agg(entropy) (needs ``entropy``).
     pos_adv_weight, neg_adv_weight: λ+ / λ−, per-token loss weights where A > 0 / A < 0.
     high_entropy_fraction: train only on this top fraction of valid tokens by entropy (the others
@@ -92,6 +93,11 @@ class LossConfig:
     cispo_clip_min: float | None = None
     sapo_tau_pos: float = 1.0
     sapo_tau_neg: float = 1.05
+    # VESPO's gamma weighting φ(w) = exp(λ + k·log w − λ·w) of the sequence ratio w (TRL's vespo_* defaults)
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
     entropy_coef: float = 0.0
     pos_adv_weight: float = 1.0
     neg_adv_weight: float = 1.0
@@ -113,6 +119,10 @@ class LossConfig:
             _check_real(name, getattr(self, name))
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("vespo_k_pos", "vespo_k_neg", "vespo_lambda_pos", "vespo_lambda_neg"):
+            _check_real(name, getattr(self, name))
+            if getattr(self, name) < 0 or (name.startswith("vespo_lambda") and getattr(self, name) == 0):
+                raise ValueError(f"{name} must be {'> 0' if 'lambda' in name else '≥ 0'}, got {getattr(self, name)}")
         if self.cispo_clip_min is not None and self.cispo_clip_min > self.cispo_clip_max:
             raise ValueError(
                 f"cispo_clip_min must be ≤ cispo_clip_max, got {self.cispo_clip_min} > {self.cispo_clip_max}"

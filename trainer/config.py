@@ -711,7 +711,7 @@ def rollout_correction_enabled(cfg: Config) -> bool:
 
 
 # modes outside the PPO-clip family (fastcov/policy_modes.py): what does not apply to them
-SELECTION_FREE_MODES = ("cispo", "gspo", "sapo")
+SELECTION_FREE_MODES = ("cispo", "gspo", "sapo", "cispo_seq", "sapo_seq", "vespo")
 
 
 def _validate_rollout_correction(cfg: Config) -> None:
