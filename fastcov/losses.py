@@ -350,6 +350,7 @@ def aggregate_loss(
     global_tokens=None,
     global_seqs=None,
     loss_scale_factor: float | None = None,
+    segments: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reduce a per-token [B, T] matrix to a scalar (verl's aggregation names).
 
@@ -360,21 +361,45 @@ def aggregate_loss(
 
     N_tokens = ``global_tokens`` or the local valid count; N_seqs = ``global_seqs`` or the local
     count of sequences with ≥ 1 valid token (denominators are clamped to ≥ 1, so an all-masked
-    batch gives 0). Values on invalid tokens are ignored, even if non-finite.
+    batch gives 0). Values on invalid tokens are ignored, even if non-finite. ``segments`` (int [B, T], packed
+    rows): the valid tokens of a row with the same id are one sequence (None: a sequence per row).
     """
     _check_agg(agg)
     valid = mask.bool()
     masked = torch.where(valid, values, torch.zeros_like(values))
     if agg == "token-mean":
         return masked.sum() / _denominator(global_tokens, valid.sum(), "global_tokens", values)
-    tokens_per_seq = valid.sum(dim=-1)
-    seq_values = masked.sum(dim=-1)
+    if segments is None:
+        tokens_per_seq = valid.sum(dim=-1)
+        seq_values = masked.sum(dim=-1)
+    else:
+        index, count = segment_index(valid, segments)
+        tokens_per_seq = torch.zeros(count, dtype=torch.long, device=values.device).index_add_(
+            0, index[valid], torch.ones_like(index[valid]))
+        seq_values = torch.zeros(count, dtype=values.dtype, device=values.device).index_add_(
+            0, index[valid], masked[valid])
     if agg == "seq-mean-token-mean":
         seq_values = seq_values / tokens_per_seq.clamp(min=1).to(values.dtype)
     loss = seq_values.sum() / _denominator(global_seqs, (tokens_per_seq > 0).sum(), "global_seqs", values)
     if agg == "seq-mean-token-sum-norm":
         loss = loss / (loss_scale_factor if loss_scale_factor is not None else mask.shape[-1])
     return loss
+
+
+def segment_index(valid: torch.Tensor, segments: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(index int64 [B, T], count): each valid token's sequence as 0 .. count − 1, sequences being a row's tokens
+    with one id of ``segments`` (int [B, T], packed rows); invalid tokens get index 0 and must be masked out."""
+    if not isinstance(segments, torch.Tensor) or segments.shape != valid.shape or segments.is_floating_point():
+        got = f"{getattr(segments, 'dtype', type(segments).__name__)} {tuple(getattr(segments, 'shape', ()))}"
+        raise ValueError(f"segments must be an integer tensor of the mask's shape {tuple(valid.shape)}, got {got}")
+    rows = torch.arange(valid.shape[0], device=valid.device)[:, None].expand_as(segments)
+    keys = torch.stack([rows[valid], segments[valid].long()], dim=-1)
+    index = torch.zeros(valid.shape, dtype=torch.long, device=valid.device)
+    if keys.numel() == 0:
+        return index, 1
+    unique, inverse = torch.unique(keys, dim=0, return_inverse=True)
+    index[valid] = inverse
+    return index, int(unique.shape[0])
 
 
 # ---------------------------------------------------------------- checks
@@ -551,6 +576,7 @@ def policy_loss(
     selection: "Selection | torch.Tensor | None" = None,
     impl: str = "auto",
     weights: torch.Tensor | None = None,
+    segments: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Policy loss of one (micro-)batch with Clip-Cov / KL-Cov / vanilla clipping and modifiers.
 
@@ -587,6 +613,9 @@ def policy_loss(
             (``fastcov.rollout_correction``, fastcov/correction.py); they multiply the mode's per-token loss
             after the selection (which they do not change) and before the aggregation; the entropy bonus is
             not weighted.
+        segments: int [B, T] for packed rows (several sequences per row): a row's valid tokens with one id are
+            one sequence, for the seq-* aggregations and the sequence ratio of GSPO / cispo_seq / sapo_seq (None:
+            a sequence per row). VESPO's sequence sum is a row's, so it is refused with ``segments``.
 
     Returns:
         (loss, metrics). loss: 0-dim tensor of logprob's dtype; an all-masked batch gives 0 with a
@@ -641,9 +670,11 @@ def policy_loss(
     selected = selection.cov
     if loss_mode.selector is not None and selected is None:
         raise ValueError(f"selection.cov is required for mode {loss_mode.name!r}")
+    if segments is not None and loss_mode.name == "vespo":
+        raise ValueError("segments: VESPO's sequence ratio is a sum over each row; packed rows are not supported")
     mode_old_logprob = old_logprob
     if loss_mode.sequence_ratio:
-        mode_old_logprob = _sequence_old_logprob(logprob, old_logprob, valid)
+        mode_old_logprob = _sequence_old_logprob(logprob, old_logprob, valid, segments)
     token_loss = loss_mode(logprob, mode_old_logprob, advantages, selected, config)
     if weights is not None:
         token_loss = token_loss * _sanitize(_checked_weights(weights, logprob), valid)
@@ -654,7 +685,8 @@ def policy_loss(
     if selection.high_entropy is not None:
         token_loss = torch.where(selection.high_entropy, token_loss, torch.zeros_like(token_loss))
 
-    aggregate = dict(global_tokens=global_tokens, global_seqs=global_seqs, loss_scale_factor=config.loss_scale_factor)
+    aggregate = dict(global_tokens=global_tokens, global_seqs=global_seqs, loss_scale_factor=config.loss_scale_factor,
+                     segments=segments)
     loss = aggregate_loss(token_loss, valid, agg, **aggregate)
     if config.entropy_coef != 0.0:
         loss = loss - config.entropy_coef * aggregate_loss(entropy, valid, agg, **aggregate)
@@ -665,12 +697,20 @@ def policy_loss(
     return loss, metrics
 
 
-def _sequence_old_logprob(logprob, old_logprob, valid) -> torch.Tensor:
-    """sg(logprob) − sg(row mean of logprob − old_logprob over valid tokens): a mode's ``old_logprob`` with
-    ``sequence_ratio`` (see ``register``)."""
+def _sequence_old_logprob(logprob, old_logprob, valid, segments=None) -> torch.Tensor:
+    """sg(logprob) − sg(sequence mean of logprob − old_logprob over its valid tokens): a mode's ``old_logprob`` with
+    ``sequence_ratio`` (see ``register``); a sequence is a row, or a segment of one (``segments``)."""
     with torch.no_grad():
         log_ratio = torch.where(valid, logprob.detach() - old_logprob, torch.zeros_like(old_logprob))
-        mean = log_ratio.sum(-1, keepdim=True) / valid.sum(-1, keepdim=True).clamp(min=1).to(log_ratio.dtype)
+        if segments is None:
+            mean = log_ratio.sum(-1, keepdim=True) / valid.sum(-1, keepdim=True).clamp(min=1).to(log_ratio.dtype)
+        else:
+            index, count = segment_index(valid, segments)
+            sums = torch.zeros(count, dtype=log_ratio.dtype, device=log_ratio.device).index_add_(
+                0, index[valid], log_ratio[valid])
+            counts = torch.zeros(count, dtype=log_ratio.dtype, device=log_ratio.device).index_add_(
+                0, index[valid], torch.ones_like(log_ratio[valid]))
+            mean = (sums / counts.clamp(min=1.0))[index]
         return torch.where(valid, logprob.detach() - mean, torch.zeros_like(old_logprob))
 
 
