@@ -33,7 +33,11 @@ Mapping of TRL's options (``FastcovGRPOConfig``)::
               "luspo"      -> agg "seq-mean-token-sum" over the micro-batch's B rows, / gradient_accumulation_steps
               "cispo"      -> mode "cispo" (cispo_clip_max = epsilon_high, no lower bound), normalized like "dapo"
               "sapo"       -> mode "sapo" (tau = sapo_temperature_pos / _neg), normalized like "grpo"
-    importance_sampling_level "sequence" -> mode "gspo" (GSPO; loss_type grpo, bnpo, dr_grpo, dapo or luspo)
+              "vespo"      -> mode "vespo" (k, lambda = vespo_k_pos / _lambda_pos for A >= 0, _neg below),
+                              normalized like "dapo"; the vLLM ratio (token modes) enters its sequence ratio, as TRL's
+    importance_sampling_level "sequence" -> mode "gspo" (GSPO; loss_type grpo, bnpo, dr_grpo, dapo or luspo),
+                              "cispo_seq" / "sapo_seq" (loss_type cispo / sapo), "vespo" (VESPO's ratio is a
+                              sequence's at either level; the level changes only the bias-corrected KL)
     beta                   -> TRL's k3 KL to the reference model, aggregated like the policy loss; with
                               use_bias_correction_kl (TRL's default) × the ratio to the old policy (GSPO's sequence
                               ratio at sequence level)
@@ -46,8 +50,10 @@ Rollout correction (TRL's options, TRL's behaviour; ``fastcov.correction``), as 
     off_policy_mask_threshold             fastcov.off_policy_sequence_mask: drop a sequence with A < 0 whose mean
                                           log π_sampler − log π exceeds it (π_old without the sampler's log-probs)
 
-With GSPO, a per-token weight acts as its row's mean weight, as in TRL (whose sequence ratio takes its gradient
-through the row's mean). fastcov bounds the exponents of its ratios (±20; GSPO's log-ratio ≤ 10), TRL does not:
+With GSPO and sapo_seq, a per-token weight acts as its row's mean weight, as in TRL (whose sequence ratio takes its
+gradient through the row's mean). With VESPO the vLLM ratio is not a weight: its log joins the old log-probs (in
+float64), so VESPO's w is π / π_sampler (truncated or masked as TRL's ratio is), as in TRL.
+fastcov bounds the exponents of its ratios (±20; GSPO's log-ratio ≤ 10), TRL does not:
 the two differ only past those bounds. The losses, the rollout weights' mean (``fastcov/rollout_is_mean``) and the
 masked share (``fastcov/off_policy_masked_fraction``) are logged.
 
@@ -67,11 +73,12 @@ high-entropy selection; TRL picks its own quantile over all processes). The cont
 checkpoint (``fastcov_entropy_control.json``) and restored on resume; ``entropy_coef`` (the coefficient) or
 ``fastcov/entropy_control/value`` (another knob) is logged at every optimizer step.
 
-Refused (ValueError naming the option): loss_type "vespo" (its gamma weighting is not a fastcov mode); cispo, sapo
-or importance_sampling_level "sequence" with fastcov_loss_mode clip_cov / kl_cov (those select tokens inside PPO's
-token clip; use "vanilla") or fastcov_scope "global"; cispo / sapo at sequence level; with sequence level,
-top_entropy_quantile < 1 and delta (not reproduced by fastcov's GSPO); MoE router aux loss, multimodal inputs,
-FSDP (the fused kernel reads ``lm_head.weight`` whole in its backward).
+Refused (ValueError naming the option): cispo, sapo, vespo or importance_sampling_level "sequence" with
+fastcov_loss_mode clip_cov / kl_cov (those select tokens inside PPO's token clip; use "vanilla") or fastcov_scope
+"global" (nothing to select); top_entropy_quantile < 1 with GSPO / sequence-level sapo (a token mask of a ratio whose
+gradient runs through its whole row) and delta with GSPO (no dual clip); vespo with a sequence_* vLLM mode (TRL
+refuses it too); MoE router aux loss, multimodal inputs, FSDP (the fused kernel reads ``lm_head.weight`` whole in
+its backward).
 
 LoRA: pass ``peft_config=peft.LoraConfig(...)`` as to ``GRPOTrainer``. TRL wraps the policy in a PeftModel; the
 fused head runs on its base model's decoder (adapters active), only the adapters train, and with ``beta > 0`` the
