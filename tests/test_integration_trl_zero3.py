@@ -161,6 +161,9 @@ def _worker(rank: int, world: int, port: int, model_dirs: dict, out_dir: str, co
         # transformers hands accelerate no backend under DeepSpeed, and without CUDA accelerate then counts one
         # process: configure the state once with gloo, and let every trainer use it (use_configured_state)
         os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+        from fastcov.trainer.runtime.extensions import skip_shm_comm_op
+
+        skip_shm_comm_op()  # gloo does the work: no JIT build of DeepSpeed's shm op (its lock races other jobs')
         PartialState(backend="gloo")
         if correction:  # each case: TRL's and fastcov's run on the untied model
             for case, options in CORRECTION_CASES.items():

@@ -355,3 +355,35 @@ def test_vespo_weight_is_one_on_policy_and_carries_no_gradient():
 def test_vespo_parameters_are_checked(name):
     with pytest.raises(ValueError, match=name):
         LossConfig(**{name: -1.0})
+
+
+@pytest.mark.parametrize("mode, agg", [("gspo", "seq-mean-token-mean"), ("sapo_seq", "token-mean"),
+                                       ("cispo_seq", "seq-mean-token-sum"), ("vanilla", "seq-mean-token-mean")])
+def test_segments_make_a_packed_row_equal_its_padded_rows(mode, agg):
+    """Two sequences packed into one row (``segments`` telling them apart) give the loss and gradient of the same two
+    as padded rows: the sequence ratio is each one's own, and seq-* aggregations count two sequences."""
+    logprob, old, adv, mask, _ = _loss_inputs(15, rows=2, cols=6)
+    mask[:] = True
+    mask[1, 4:] = False
+    packed = [torch.cat([x[0], x[1, :4]])[None] for x in (logprob, old, adv)]
+    segments = torch.tensor([[1] * 6 + [2] * 4])
+    config = LossConfig(clip_low=0.05, clip_high=0.05)
+    lp_padded, lp_packed = logprob.clone().requires_grad_(True), packed[0].clone().requires_grad_(True)
+    padded_loss, _ = policy_loss(lp_padded, old, adv, mask, mode=mode, agg=agg, config=config)
+    packed_loss, _ = policy_loss(lp_packed, packed[1], packed[2], torch.ones(1, 10, dtype=torch.bool), mode=mode,
+                                 agg=agg, config=config, segments=segments)
+    torch.testing.assert_close(packed_loss, padded_loss, rtol=1e-12, atol=0.0)
+    (padded_loss + packed_loss).backward()
+    torch.testing.assert_close(lp_packed.grad[0], torch.cat([lp_padded.grad[0], lp_padded.grad[1, :4]]), rtol=1e-12,
+                               atol=1e-15)
+    unsegmented, _ = policy_loss(packed[0], packed[1], packed[2], torch.ones(1, 10, dtype=torch.bool), mode=mode,
+                                 agg=agg, config=config)
+    assert abs(float(unsegmented) - float(padded_loss.detach())) > 1e-6  # without segments: the row is one sequence
+
+
+def test_segments_bad_input_and_vespo_name_the_argument():
+    logprob, old, adv, mask, _ = _loss_inputs(16)
+    with pytest.raises(ValueError, match="segments"):
+        policy_loss(logprob, old, adv, mask, mode="gspo", segments=torch.zeros(2, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match="segments"):
+        policy_loss(logprob, old, adv, mask, mode="vespo", segments=torch.ones_like(mask, dtype=torch.long))
