@@ -201,7 +201,8 @@ SelectorFn = Callable[[SelectionInputs], torch.Tensor]
 class PolicyLossMode:
     """A registered mode: ``loss(logprob, old_logprob, advantages, selected, config) -> [B, T]`` and
     optionally ``selector(SelectionInputs) -> bool [B, T]`` (``random_keys``: the selector uses the
-    fused kernel's random keys; ``sequence_ratio``: the mode's ratio is its sequence's, see ``register``).
+    fused kernel's random keys; ``sequence_ratio``: the mode's ratio is its sequence's; ``sequence_rows``: the
+    function reads each row as one sequence; see ``register``).
     Calling the mode calls ``loss``."""
 
     name: str
@@ -209,6 +210,7 @@ class PolicyLossMode:
     selector: SelectorFn | None = None
     random_keys: bool = False
     sequence_ratio: bool = False
+    sequence_rows: bool = False
 
     def __call__(self, logprob, old_logprob, advantages, selected, config):
         return self.loss(logprob, old_logprob, advantages, selected, config)
@@ -224,6 +226,7 @@ def register(
     random_keys: bool = False,
     override: bool = False,
     sequence_ratio: bool = False,
+    sequence_rows: bool = False,
 ):
     """Decorator registering a per-token loss function as mode ``name``.
 
@@ -232,13 +235,16 @@ def register(
     per-token loss [B, T]; ``policy_loss`` applies the λ weights, the high-entropy mask, the
     aggregation and the entropy bonus. With ``sequence_ratio`` the function's ``old_logprob`` is
     ``sg(logprob) − sg(mean over the row's valid tokens of (logprob − old_logprob))``, so that
-    ``logprob − old_logprob`` is GSPO's token-level sequence log-ratio (one sequence per row).
+    ``logprob − old_logprob`` is GSPO's token-level sequence log-ratio (one sequence per row). With
+    ``sequence_rows`` the function reduces over each row as one sequence (VESPO's sum): given packed rows
+    (``policy_loss``'s ``segments``), it is called on their sequences laid out one per row, and its loss put back.
     """
     if not isinstance(name, str) or not name:
         raise TypeError(f"name must be a non-empty str, got {name!r}")
 
     def decorator(loss: TokenLossFn) -> TokenLossFn:
-        MODES.add(name, PolicyLossMode(name, loss, selector, random_keys, sequence_ratio), override=override)
+        mode = PolicyLossMode(name, loss, selector, random_keys, sequence_ratio, sequence_rows)
+        MODES.add(name, mode, override=override)
         return loss
 
     return decorator
@@ -615,7 +621,7 @@ def policy_loss(
             not weighted.
         segments: int [B, T] for packed rows (several sequences per row): a row's valid tokens with one id are
             one sequence, for the seq-* aggregations and the sequence ratio of GSPO / cispo_seq / sapo_seq (None:
-            a sequence per row). VESPO's sequence sum is a row's, so it is refused with ``segments``.
+            a sequence per row); a mode registered with ``sequence_rows`` (VESPO) gets one sequence per row.
 
     Returns:
         (loss, metrics). loss: 0-dim tensor of logprob's dtype; an all-masked batch gives 0 with a
@@ -670,12 +676,14 @@ def policy_loss(
     selected = selection.cov
     if loss_mode.selector is not None and selected is None:
         raise ValueError(f"selection.cov is required for mode {loss_mode.name!r}")
-    if segments is not None and loss_mode.name == "vespo":
-        raise ValueError("segments: VESPO's sequence ratio is a sum over each row; packed rows are not supported")
     mode_old_logprob = old_logprob
     if loss_mode.sequence_ratio:
         mode_old_logprob = _sequence_old_logprob(logprob, old_logprob, valid, segments)
-    token_loss = loss_mode(logprob, mode_old_logprob, advantages, selected, config)
+    if segments is not None and loss_mode.sequence_rows:
+        token_loss = _per_sequence_rows(loss_mode, logprob, mode_old_logprob, advantages, selected, config, valid,
+                                        segments)
+    else:
+        token_loss = loss_mode(logprob, mode_old_logprob, advantages, selected, config)
     if weights is not None:
         token_loss = token_loss * _sanitize(_checked_weights(weights, logprob), valid)
     if config.pos_adv_weight != 1.0 or config.neg_adv_weight != 1.0:
@@ -695,6 +703,30 @@ def policy_loss(
         logprob, old_logprob, advantages, valid, config, selection, scores, entropy, vocab_cov, impl
     )
     return loss, metrics
+
+
+def _per_sequence_rows(loss_mode, logprob, old_logprob, advantages, selected, config, valid, segments):
+    """``loss_mode`` on packed rows' sequences laid out one per row (zero-padded), its loss put back in place."""
+    index, count = segment_index(valid, segments)
+    flat = index[valid]
+    order = torch.argsort(flat, stable=True)  # row-major order within each sequence
+    lengths = torch.bincount(flat, minlength=count)
+    starts = lengths.cumsum(0) - lengths
+    pos = torch.empty_like(flat)
+    pos[order] = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
+    width = max(int(lengths.max()) if flat.numel() else 1, 1)
+
+    def unpack(x):
+        if x is None:
+            return None
+        out = torch.zeros((count, width), dtype=x.dtype, device=x.device)
+        out[flat, pos] = x[valid]
+        return out
+
+    rows_loss = loss_mode(unpack(logprob), unpack(old_logprob), unpack(advantages), unpack(selected), config)
+    token_loss = torch.zeros_like(logprob)
+    token_loss[valid] = rows_loss[flat, pos].to(logprob.dtype)
+    return token_loss
 
 
 def _sequence_old_logprob(logprob, old_logprob, valid, segments=None) -> torch.Tensor:

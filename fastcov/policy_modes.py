@@ -15,8 +15,8 @@ Per token, r = exp(logp − old_logp) (exponent bounded to ±20, as verl), sg = 
 ``policy_loss`` applies to them what it applies to every mode: λ± weights, the high-entropy mask, the rollout
 correction's ``weights``, the aggregation and the entropy bonus. They select no tokens, so Clip-Cov / KL-Cov (a
 selection inside a mode) is not combined with them, and ``dual_clip_c`` does not apply (the trainer refuses both
-combinations in one line). The sequence modes read a row as one sequence (packing refused for them). Registered on
-``import fastcov``. docs/design.md §4.
+combinations in one line). The sequence modes read a row as one sequence, or with packed rows each sequence
+(``policy_loss``'s ``segments``). Registered on ``import fastcov``. docs/design.md §4.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ register("cispo_seq", sequence_ratio=True)(cispo_loss)
 register("sapo_seq", sequence_ratio=True)(sapo_loss)
 
 
-@register("vespo")
+@register("vespo", sequence_rows=True)
 def vespo_loss(logprob, old_logprob, advantages, selected, config: LossConfig) -> torch.Tensor:
     """−sg(φ(w))·A·logp with φ(w) = exp(λ + k·log w − λ·w), w the row's summed sequence ratio (bounded)."""
     with torch.no_grad():

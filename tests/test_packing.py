@@ -97,11 +97,12 @@ def test_packed_gradients_equal_padded(policy):
         torch.testing.assert_close(grads[1][name], g, atol=1e-5, rtol=1e-4, msg=name)
 
 
-@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
-def test_packed_gspo_equals_padded(policy, agg):
-    """GSPO's sequence ratio (the mean log-ratio over each sequence's own tokens) and the seq-* aggregations take a
-    packed row's sequences one by one (``policy_loss(segments=mb.segment_ids())``): the loss and every gradient of
-    packed micro-batches equal the padded ones'. Without the segments a packed row's sequences would share a ratio."""
+@pytest.mark.parametrize("mode, agg", [("gspo", "token-mean"), ("gspo", "seq-mean-token-mean"), ("vespo", "token-mean")])
+def test_packed_sequence_modes_equal_padded(policy, mode, agg):
+    """GSPO's sequence ratio (the mean log-ratio over each sequence's own tokens), VESPO's (a sum) and the seq-*
+    aggregations take a packed row's sequences one by one (``policy_loss(segments=mb.segment_ids())``): the loss and
+    every gradient of packed micro-batches equal the padded ones'. Without the segments a packed row's sequences
+    would share a ratio."""
     from fastcov.losses import LossConfig, policy_loss
 
     seqs = _sequences(n=8, seed=5)
@@ -118,7 +119,7 @@ def test_packed_gspo_equals_padded(policy, agg):
         total, packed_rows = 0.0, 0
         for mb in micro_batches(seqs, 10_000, 0, CPU, packing=packing):
             res = policy(**mb.model_inputs(), temperature=0.7)
-            loss, _ = policy_loss(res.logprob, mb.old_logprob, mb.advantages, mb.mask, mode="gspo", agg=agg,
+            loss, _ = policy_loss(res.logprob, mb.old_logprob, mb.advantages, mb.mask, mode=mode, agg=agg,
                                   config=config, global_tokens=n_tok, global_seqs=n_seq,
                                   segments=mb.segment_ids() if use_segments else None)
             total = total + loss

@@ -358,10 +358,11 @@ def test_vespo_parameters_are_checked(name):
 
 
 @pytest.mark.parametrize("mode, agg", [("gspo", "seq-mean-token-mean"), ("sapo_seq", "token-mean"),
-                                       ("cispo_seq", "seq-mean-token-sum"), ("vanilla", "seq-mean-token-mean")])
+                                       ("cispo_seq", "seq-mean-token-sum"), ("vanilla", "seq-mean-token-mean"),
+                                       ("vespo", "token-mean")])
 def test_segments_make_a_packed_row_equal_its_padded_rows(mode, agg):
     """Two sequences packed into one row (``segments`` telling them apart) give the loss and gradient of the same two
-    as padded rows: the sequence ratio is each one's own, and seq-* aggregations count two sequences."""
+    as padded rows: the sequence ratio is each one's own (VESPO's sum too), and seq-* aggregations count two."""
     logprob, old, adv, mask, _ = _loss_inputs(15, rows=2, cols=6)
     mask[:] = True
     mask[1, 4:] = False
@@ -381,9 +382,8 @@ def test_segments_make_a_packed_row_equal_its_padded_rows(mode, agg):
     assert abs(float(unsegmented) - float(padded_loss.detach())) > 1e-6  # without segments: the row is one sequence
 
 
-def test_segments_bad_input_and_vespo_name_the_argument():
+def test_bad_segments_name_the_argument():
     logprob, old, adv, mask, _ = _loss_inputs(16)
-    with pytest.raises(ValueError, match="segments"):
-        policy_loss(logprob, old, adv, mask, mode="gspo", segments=torch.zeros(2, 2, dtype=torch.long))
-    with pytest.raises(ValueError, match="segments"):
-        policy_loss(logprob, old, adv, mask, mode="vespo", segments=torch.ones_like(mask, dtype=torch.long))
+    for bad in (torch.zeros(2, 2, dtype=torch.long), torch.ones_like(logprob)):  # wrong shape, floating
+        with pytest.raises(ValueError, match="segments"):
+            policy_loss(logprob, old, adv, mask, mode="gspo", segments=bad)

@@ -741,9 +741,6 @@ def _validate_rollout_correction(cfg: Config) -> None:
     if a.mode in SELECTION_FREE_MODES:
         _check(a.dual_clip_c is None, "algo.dual_clip_c",
                f"the dual clip bounds PPO's clipped loss for A < 0; algo.mode={a.mode} has no such loss (set null)")
-        _check(a.mode != "vespo" or not cfg.trainer.packing, "trainer.packing",
-               "VESPO's weight is of the sum over each row, which a packed row mixes across sequences: set packing "
-               "false")
 
 
 # ----------------------------------------------------------------------------------------------- loading
