@@ -621,7 +621,8 @@ def policy_loss(
             not weighted.
         segments: int [B, T] for packed rows (several sequences per row): a row's valid tokens with one id are
             one sequence, for the seq-* aggregations and the sequence ratio of GSPO / cispo_seq / sapo_seq (None:
-            a sequence per row); a mode registered with ``sequence_rows`` (VESPO) gets one sequence per row.
+            a sequence per row); a mode registered with ``sequence_rows`` (VESPO) gets one sequence per row. Where
+            they are read (those modes, the seq-* aggregations) they cost a host sync (the number of sequences).
 
     Returns:
         (loss, metrics). loss: 0-dim tensor of logprob's dtype; an all-masked batch gives 0 with a
