@@ -62,7 +62,8 @@ class LossConfig:
     clip_cov_ratio, clip_cov_lb, clip_cov_ub: Clip-Cov fraction and open covariance band.
     kl_cov_ratio, kl_cov_coef: KL-Cov fraction and β.
     cispo_clip_max, cispo_clip_min: CISPO's bounds on sg(r) (min None: none); sapo_tau_pos, sapo_tau_neg:
-        SAPO's temperatures (fastcov/policy_modes.py).
+        SAPO's temperatures; vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: VESPO's gamma weight's
+        power k and decay λ for A ≥ 0 / A < 0 (fastcov/policy_modes.py).
     entropy_coef: entropy bonus, loss −= entropy_coef · agg(entropy) (needs ``entropy``).
     pos_adv_weight, neg_adv_weight: λ+ / λ−, per-token loss weights where A > 0 / A < 0.
     high_entropy_fraction: train only on this top fraction of valid tokens by entropy (the others
@@ -92,6 +93,11 @@ class LossConfig:
     cispo_clip_min: float | None = None
     sapo_tau_pos: float = 1.0
     sapo_tau_neg: float = 1.05
+    # VESPO's gamma weighting φ(w) = exp(λ + k·log w − λ·w) of the sequence ratio w (TRL's vespo_* defaults)
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
     entropy_coef: float = 0.0
     pos_adv_weight: float = 1.0
     neg_adv_weight: float = 1.0
@@ -113,6 +119,10 @@ class LossConfig:
             _check_real(name, getattr(self, name))
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("vespo_k_pos", "vespo_k_neg", "vespo_lambda_pos", "vespo_lambda_neg"):
+            _check_real(name, getattr(self, name))
+            if getattr(self, name) < 0 or (name.startswith("vespo_lambda") and getattr(self, name) == 0):
+                raise ValueError(f"{name} must be {'> 0' if 'lambda' in name else '≥ 0'}, got {getattr(self, name)}")
         if self.cispo_clip_min is not None and self.cispo_clip_min > self.cispo_clip_max:
             raise ValueError(
                 f"cispo_clip_min must be ≤ cispo_clip_max, got {self.cispo_clip_min} > {self.cispo_clip_max}"
@@ -191,7 +201,8 @@ SelectorFn = Callable[[SelectionInputs], torch.Tensor]
 class PolicyLossMode:
     """A registered mode: ``loss(logprob, old_logprob, advantages, selected, config) -> [B, T]`` and
     optionally ``selector(SelectionInputs) -> bool [B, T]`` (``random_keys``: the selector uses the
-    fused kernel's random keys; ``sequence_ratio``: the mode's ratio is its sequence's, see ``register``).
+    fused kernel's random keys; ``sequence_ratio``: the mode's ratio is its sequence's; ``sequence_rows``: the
+    function reads each row as one sequence; see ``register``).
     Calling the mode calls ``loss``."""
 
     name: str
@@ -199,6 +210,7 @@ class PolicyLossMode:
     selector: SelectorFn | None = None
     random_keys: bool = False
     sequence_ratio: bool = False
+    sequence_rows: bool = False
 
     def __call__(self, logprob, old_logprob, advantages, selected, config):
         return self.loss(logprob, old_logprob, advantages, selected, config)
@@ -214,6 +226,7 @@ def register(
     random_keys: bool = False,
     override: bool = False,
     sequence_ratio: bool = False,
+    sequence_rows: bool = False,
 ):
     """Decorator registering a per-token loss function as mode ``name``.
 
@@ -222,13 +235,16 @@ def register(
     per-token loss [B, T]; ``policy_loss`` applies the λ weights, the high-entropy mask, the
     aggregation and the entropy bonus. With ``sequence_ratio`` the function's ``old_logprob`` is
     ``sg(logprob) − sg(mean over the row's valid tokens of (logprob − old_logprob))``, so that
-    ``logprob − old_logprob`` is GSPO's token-level sequence log-ratio (one sequence per row).
+    ``logprob − old_logprob`` is GSPO's token-level sequence log-ratio (one sequence per row). With
+    ``sequence_rows`` the function reduces over each row as one sequence (VESPO's sum): given packed rows
+    (``policy_loss``'s ``segments``), it is called on their sequences laid out one per row, and its loss put back.
     """
     if not isinstance(name, str) or not name:
         raise TypeError(f"name must be a non-empty str, got {name!r}")
 
     def decorator(loss: TokenLossFn) -> TokenLossFn:
-        MODES.add(name, PolicyLossMode(name, loss, selector, random_keys, sequence_ratio), override=override)
+        mode = PolicyLossMode(name, loss, selector, random_keys, sequence_ratio, sequence_rows)
+        MODES.add(name, mode, override=override)
         return loss
 
     return decorator
@@ -340,6 +356,7 @@ def aggregate_loss(
     global_tokens=None,
     global_seqs=None,
     loss_scale_factor: float | None = None,
+    segments: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reduce a per-token [B, T] matrix to a scalar (verl's aggregation names).
 
@@ -350,21 +367,45 @@ def aggregate_loss(
 
     N_tokens = ``global_tokens`` or the local valid count; N_seqs = ``global_seqs`` or the local
     count of sequences with ≥ 1 valid token (denominators are clamped to ≥ 1, so an all-masked
-    batch gives 0). Values on invalid tokens are ignored, even if non-finite.
+    batch gives 0). Values on invalid tokens are ignored, even if non-finite. ``segments`` (int [B, T], packed
+    rows): the valid tokens of a row with the same id are one sequence (None: a sequence per row).
     """
     _check_agg(agg)
     valid = mask.bool()
     masked = torch.where(valid, values, torch.zeros_like(values))
     if agg == "token-mean":
         return masked.sum() / _denominator(global_tokens, valid.sum(), "global_tokens", values)
-    tokens_per_seq = valid.sum(dim=-1)
-    seq_values = masked.sum(dim=-1)
+    if segments is None:
+        tokens_per_seq = valid.sum(dim=-1)
+        seq_values = masked.sum(dim=-1)
+    else:
+        index, count = segment_index(valid, segments)
+        tokens_per_seq = torch.zeros(count, dtype=torch.long, device=values.device).index_add_(
+            0, index[valid], torch.ones_like(index[valid]))
+        seq_values = torch.zeros(count, dtype=values.dtype, device=values.device).index_add_(
+            0, index[valid], masked[valid])
     if agg == "seq-mean-token-mean":
         seq_values = seq_values / tokens_per_seq.clamp(min=1).to(values.dtype)
     loss = seq_values.sum() / _denominator(global_seqs, (tokens_per_seq > 0).sum(), "global_seqs", values)
     if agg == "seq-mean-token-sum-norm":
         loss = loss / (loss_scale_factor if loss_scale_factor is not None else mask.shape[-1])
     return loss
+
+
+def segment_index(valid: torch.Tensor, segments: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(index int64 [B, T], count): each valid token's sequence as 0 .. count − 1, sequences being a row's tokens
+    with one id of ``segments`` (int [B, T], packed rows); invalid tokens get index 0 and must be masked out."""
+    if not isinstance(segments, torch.Tensor) or segments.shape != valid.shape or segments.is_floating_point():
+        got = f"{getattr(segments, 'dtype', type(segments).__name__)} {tuple(getattr(segments, 'shape', ()))}"
+        raise ValueError(f"segments must be an integer tensor of the mask's shape {tuple(valid.shape)}, got {got}")
+    rows = torch.arange(valid.shape[0], device=valid.device)[:, None].expand_as(segments)
+    keys = torch.stack([rows[valid], segments[valid].long()], dim=-1)
+    index = torch.zeros(valid.shape, dtype=torch.long, device=valid.device)
+    if keys.numel() == 0:
+        return index, 1
+    unique, inverse = torch.unique(keys, dim=0, return_inverse=True)
+    index[valid] = inverse
+    return index, int(unique.shape[0])
 
 
 # ---------------------------------------------------------------- checks
@@ -541,6 +582,7 @@ def policy_loss(
     selection: "Selection | torch.Tensor | None" = None,
     impl: str = "auto",
     weights: torch.Tensor | None = None,
+    segments: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Policy loss of one (micro-)batch with Clip-Cov / KL-Cov / vanilla clipping and modifiers.
 
@@ -577,6 +619,10 @@ def policy_loss(
             (``fastcov.rollout_correction``, fastcov/correction.py); they multiply the mode's per-token loss
             after the selection (which they do not change) and before the aggregation; the entropy bonus is
             not weighted.
+        segments: int [B, T] for packed rows (several sequences per row): a row's valid tokens with one id are
+            one sequence, for the seq-* aggregations and the sequence ratio of GSPO / cispo_seq / sapo_seq (None:
+            a sequence per row); a mode registered with ``sequence_rows`` (VESPO) gets one sequence per row. Where
+            they are read (those modes, the seq-* aggregations) they cost a host sync (the number of sequences).
 
     Returns:
         (loss, metrics). loss: 0-dim tensor of logprob's dtype; an all-masked batch gives 0 with a
@@ -633,8 +679,12 @@ def policy_loss(
         raise ValueError(f"selection.cov is required for mode {loss_mode.name!r}")
     mode_old_logprob = old_logprob
     if loss_mode.sequence_ratio:
-        mode_old_logprob = _sequence_old_logprob(logprob, old_logprob, valid)
-    token_loss = loss_mode(logprob, mode_old_logprob, advantages, selected, config)
+        mode_old_logprob = _sequence_old_logprob(logprob, old_logprob, valid, segments)
+    if segments is not None and loss_mode.sequence_rows:
+        token_loss = _per_sequence_rows(loss_mode, logprob, mode_old_logprob, advantages, selected, config, valid,
+                                        segments)
+    else:
+        token_loss = loss_mode(logprob, mode_old_logprob, advantages, selected, config)
     if weights is not None:
         token_loss = token_loss * _sanitize(_checked_weights(weights, logprob), valid)
     if config.pos_adv_weight != 1.0 or config.neg_adv_weight != 1.0:
@@ -644,7 +694,8 @@ def policy_loss(
     if selection.high_entropy is not None:
         token_loss = torch.where(selection.high_entropy, token_loss, torch.zeros_like(token_loss))
 
-    aggregate = dict(global_tokens=global_tokens, global_seqs=global_seqs, loss_scale_factor=config.loss_scale_factor)
+    aggregate = dict(global_tokens=global_tokens, global_seqs=global_seqs, loss_scale_factor=config.loss_scale_factor,
+                     segments=segments)
     loss = aggregate_loss(token_loss, valid, agg, **aggregate)
     if config.entropy_coef != 0.0:
         loss = loss - config.entropy_coef * aggregate_loss(entropy, valid, agg, **aggregate)
@@ -655,12 +706,44 @@ def policy_loss(
     return loss, metrics
 
 
-def _sequence_old_logprob(logprob, old_logprob, valid) -> torch.Tensor:
-    """sg(logprob) − sg(row mean of logprob − old_logprob over valid tokens): a mode's ``old_logprob`` with
-    ``sequence_ratio`` (see ``register``)."""
+def _per_sequence_rows(loss_mode, logprob, old_logprob, advantages, selected, config, valid, segments):
+    """``loss_mode`` on packed rows' sequences laid out one per row (zero-padded), its loss put back in place."""
+    index, count = segment_index(valid, segments)
+    flat = index[valid]
+    order = torch.argsort(flat, stable=True)  # row-major order within each sequence
+    lengths = torch.bincount(flat, minlength=count)
+    starts = lengths.cumsum(0) - lengths
+    pos = torch.empty_like(flat)
+    pos[order] = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
+    width = max(int(lengths.max()) if flat.numel() else 1, 1)
+
+    def unpack(x):
+        if x is None:
+            return None
+        out = torch.zeros((count, width), dtype=x.dtype, device=x.device)
+        out[flat, pos] = x[valid]
+        return out
+
+    rows_loss = loss_mode(unpack(logprob), unpack(old_logprob), unpack(advantages), unpack(selected), config)
+    token_loss = torch.zeros_like(logprob)
+    token_loss[valid] = rows_loss[flat, pos].to(logprob.dtype)
+    return token_loss
+
+
+def _sequence_old_logprob(logprob, old_logprob, valid, segments=None) -> torch.Tensor:
+    """sg(logprob) − sg(sequence mean of logprob − old_logprob over its valid tokens): a mode's ``old_logprob`` with
+    ``sequence_ratio`` (see ``register``); a sequence is a row, or a segment of one (``segments``)."""
     with torch.no_grad():
         log_ratio = torch.where(valid, logprob.detach() - old_logprob, torch.zeros_like(old_logprob))
-        mean = log_ratio.sum(-1, keepdim=True) / valid.sum(-1, keepdim=True).clamp(min=1).to(log_ratio.dtype)
+        if segments is None:
+            mean = log_ratio.sum(-1, keepdim=True) / valid.sum(-1, keepdim=True).clamp(min=1).to(log_ratio.dtype)
+        else:
+            index, count = segment_index(valid, segments)
+            sums = torch.zeros(count, dtype=log_ratio.dtype, device=log_ratio.device).index_add_(
+                0, index[valid], log_ratio[valid])
+            counts = torch.zeros(count, dtype=log_ratio.dtype, device=log_ratio.device).index_add_(
+                0, index[valid], torch.ones_like(log_ratio[valid]))
+            mean = (sums / counts.clamp(min=1.0))[index]
         return torch.where(valid, logprob.detach() - mean, torch.zeros_like(old_logprob))
 
 

@@ -1,4 +1,4 @@
-"""CISPO, GSPO and SAPO: policy-loss modes beside vanilla / Clip-Cov / KL-Cov, in the same registry.
+"""CISPO, GSPO, SAPO and VESPO: policy-loss modes beside vanilla / Clip-Cov / KL-Cov, in the same registry.
 
 Per token, r = exp(logp − old_logp) (exponent bounded to ±20, as verl), sg = stop-gradient:
 
@@ -6,21 +6,30 @@ Per token, r = exp(logp − old_logp) (exponent bounded to ±20, as verl), sg = 
     gspo   s = exp(sg(mean_t(logp − old_logp)) + logp − sg(logp)),  exponent capped at 10 (as verl);
            ℓ = max(−A·s, −A·clip(s, 1 − clip_low, 1 + clip_high))     (Qwen's GSPO, token form; a sequence per row)
     sapo   τ = sapo_tau_pos if A > 0 else sapo_tau_neg;  ℓ = −A · σ(τ·(r − 1)) · 4/τ   (Qwen's SAPO)
+    cispo_seq, sapo_seq   cispo / sapo with GSPO's sequence ratio s in place of r (TRL's loss_type cispo / sapo with
+           importance_sampling_level="sequence"): CISPO's weight is sg(clip(s)), SAPO's gate σ(τ·(s − 1))
+    vespo  log w = clamp(Σ_t clamp(logp − old_logp, ±20), log 1e-8, 20)  (the row's sequence log-ratio, a sum);
+           k, λ = vespo_k_pos, vespo_lambda_pos if A ≥ 0 else vespo_k_neg, vespo_lambda_neg;
+           ℓ = −sg(exp(λ + k·log w − λ·w)) · A · logp   (VESPO's gamma weight, 1 at w = 1; a sequence per row)
 
 ``policy_loss`` applies to them what it applies to every mode: λ± weights, the high-entropy mask, the rollout
 correction's ``weights``, the aggregation and the entropy bonus. They select no tokens, so Clip-Cov / KL-Cov (a
 selection inside a mode) is not combined with them, and ``dual_clip_c`` does not apply (the trainer refuses both
-combinations in one line). Registered on ``import fastcov``. docs/design.md §4.
+combinations in one line). The sequence modes read a row as one sequence, or with packed rows each sequence
+(``policy_loss``'s ``segments``). Registered on ``import fastcov``. docs/design.md §4.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from fastcov.correction import bounded_exp
+from fastcov.correction import EXP_BOUND, bounded_exp
 from fastcov.losses import LossConfig, ppo_clip_terms, register
 
 GSPO_LOG_RATIO_CAP = 10.0
+VESPO_LOG_W_MIN = math.log(1e-8)  # VESPO's reference code clamps w at 1e-8 from below
 
 
 @register("cispo")
@@ -46,4 +55,22 @@ def sapo_loss(logprob, old_logprob, advantages, selected, config: LossConfig) ->
     return -advantages * torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
 
 
-__all__ = ["cispo_loss", "gspo_loss", "sapo_loss"]
+# TRL's cispo / sapo at importance_sampling_level="sequence": the same functions on GSPO's sequence ratio
+register("cispo_seq", sequence_ratio=True)(cispo_loss)
+register("sapo_seq", sequence_ratio=True)(sapo_loss)
+
+
+@register("vespo", sequence_rows=True)
+def vespo_loss(logprob, old_logprob, advantages, selected, config: LossConfig) -> torch.Tensor:
+    """−sg(φ(w))·A·logp with φ(w) = exp(λ + k·log w − λ·w), w the row's summed sequence ratio (bounded)."""
+    with torch.no_grad():
+        log_ratio = (logprob.detach() - old_logprob).clamp(-EXP_BOUND, EXP_BOUND)
+        log_w = log_ratio.sum(-1, keepdim=True).clamp(VESPO_LOG_W_MIN, EXP_BOUND)
+        nonneg = advantages >= 0
+        k = torch.where(nonneg, config.vespo_k_pos, config.vespo_k_neg).to(log_w.dtype)
+        lam = torch.where(nonneg, config.vespo_lambda_pos, config.vespo_lambda_neg).to(log_w.dtype)
+        phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    return -phi.to(logprob.dtype) * advantages * logprob
+
+
+__all__ = ["cispo_loss", "gspo_loss", "sapo_loss", "vespo_loss"]

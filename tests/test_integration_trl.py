@@ -204,9 +204,10 @@ def test_global_scope_selects_over_the_rollout_batch(tmp_path):
         (dict(clip_cov_ratio=1.5), "clip_cov_ratio"),
         (dict(clip_cov_lb=5.0, clip_cov_ub=1.0), "clip_cov_lb"),
         (dict(kl_cov_coef=-1.0), "kl_cov_coef"),
-        (dict(loss_type="vespo"), "loss_type"),
-        # CISPO / SAPO / GSPO are losses of their own: not with Clip-Cov / KL-Cov (the default fastcov_loss_mode)
+        (dict(loss_type="not_a_loss"), "loss_type"),
+        # CISPO / SAPO / VESPO / GSPO are losses of their own: not with Clip-Cov / KL-Cov (the default fastcov_loss_mode)
         (dict(loss_type="cispo"), "fastcov_loss_mode"),
+        (dict(loss_type="vespo"), "fastcov_loss_mode"),
         (dict(importance_sampling_level="sequence"), "fastcov_loss_mode"),
         (dict(use_adaptive_entropy=True, entropy_coef_delta=-0.1), "entropy_coef_delta"),
         (dict(use_adaptive_entropy=True, entropy_coef=2.0), "entropy_coef"),  # outside [min, max] = [0, 1]

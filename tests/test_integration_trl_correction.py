@@ -1,7 +1,8 @@
 """TRL's rollout-correction options in FastcovGRPOTrainer against TRL 1.16's own GRPOTrainer, end to end.
 
 The vLLM importance-sampling correction (each of the four ``vllm_importance_sampling_mode``s), sequence-level
-importance sampling (GSPO), loss_type cispo / sapo / luspo, ``off_policy_mask_threshold`` and
+importance sampling (GSPO), loss_type cispo / sapo / luspo / vespo (cispo and sapo also at sequence level),
+``off_policy_mask_threshold`` and
 ``use_bias_correction_kl``: the same tiny model trained by both trainers for a few plain-SGD steps gives the same
 loss at every step and the same update of every parameter. There is no vLLM here: generation is TRL's own
 (transformers) path with the sampler's per-token log-probs returned beside the completions, as vLLM returns them,
@@ -103,6 +104,19 @@ CASES = {
                         vllm_importance_sampling_mode="token_truncate", **IS_BOUNDS["token"])),
     "cispo": (False, dict(loss_type="cispo", epsilon_high=1.002)),
     "sapo": (False, dict(loss_type="sapo", sapo_temperature_pos=2.0, sapo_temperature_neg=5.0)),
+    # at sequence level, with the token-level vLLM ratio (SAPO's gradient takes each row's mean weight, CISPO's not)
+    "cispo_sequence": (True, dict(loss_type="cispo", importance_sampling_level="sequence", epsilon_high=1.002,
+                                  vllm_importance_sampling_mode="token_truncate", **IS_BOUNDS["token"])),
+    "sapo_sequence": (True, dict(loss_type="sapo", importance_sampling_level="sequence", sapo_temperature_pos=2.0,
+                                 sapo_temperature_neg=5.0, vllm_importance_sampling_mode="token_truncate",
+                                 **IS_BOUNDS["token"])),
+    # VESPO folds the vLLM ratio into its sequence ratio (a masked token's ratio counts as 1e-8, which zeroes its
+    # sequence's weight: wider bounds leave some sequences to train), and takes the off-policy mask
+    "vespo": (True, dict(loss_type="vespo", vespo_k_neg=4.0, vespo_lambda_pos=2.5, off_policy_mask_threshold=0.01,
+                         vllm_importance_sampling_mode="token_mask", vllm_importance_sampling_clip_max=1.07,
+                         vllm_importance_sampling_clip_min=0.93)),
+    "vespo_truncate": (True, dict(loss_type="vespo", vllm_importance_sampling_mode="token_truncate",
+                                  **IS_BOUNDS["token"], beta=0.05)),  # and the bias-corrected KL
     # LUSPO sums each sequence's tokens: a smaller step keeps its updates the size of the others'
     "luspo": (False, dict(loss_type="luspo", importance_sampling_level="sequence", epsilon=3e-3, learning_rate=0.1,
                           beta=0.05)),  # and TRL's bias-corrected KL with the sequence ratio
@@ -133,6 +147,8 @@ def test_correction_option_equals_trl(tmp_path, case):
             assert seen["sampling/importance_sampling_ratio/min"] == pytest.approx(low) or \
                 seen["sampling/importance_sampling_ratio/max"] == pytest.approx(high), seen
         assert "fastcov/rollout_is_mean" in ours["logs"]
+    if case == "vespo":  # some tokens' ratios are masked (their sequences' weights fall to ~0), not all
+        assert theirs["logs"]["sampling/importance_sampling_ratio/min"] == 0.0, theirs["logs"]
     if case == "off_policy_mask":
         assert ours["logs"]["fastcov/off_policy_masked_fraction"] >= 0.0
 
@@ -187,9 +203,10 @@ def test_gspo_vllm_ratio_and_off_policy_mask_equal_trl_on_two_processes(tmp_path
 
 
 @pytest.mark.parametrize("overrides,option", [
-    (dict(loss_type="vespo"), "vespo"),
-    (dict(loss_type="cispo", importance_sampling_level="sequence"), "importance_sampling_level"),
+    (dict(loss_type="vespo", use_vllm=True, vllm_importance_sampling_mode="sequence_mask"),
+     "vllm_importance_sampling_mode"),
     (dict(importance_sampling_level="sequence", top_entropy_quantile=0.5), "top_entropy_quantile"),
+    (dict(loss_type="sapo", importance_sampling_level="sequence", top_entropy_quantile=0.5), "top_entropy_quantile"),
     (dict(importance_sampling_level="sequence", delta=2.0), "delta"),
     (dict(loss_type="sapo", fastcov_loss_mode="kl_cov"), "fastcov_loss_mode"),
     (dict(use_vllm=True, vllm_importance_sampling_mode="token"), "vllm_importance_sampling_mode"),
@@ -218,3 +235,9 @@ def test_trl_options_pick_the_mode(tmp_path):
     assert sapo.fastcov_mode() == "sapo" and sapo.fastcov_loss_config().sapo_tau_neg == 3.0
     gspo = make_args(tmp_path, importance_sampling_level="sequence", fastcov_loss_mode="vanilla")
     assert gspo.fastcov_mode() == "gspo"
+    for loss_type, mode in (("cispo", "cispo_seq"), ("sapo", "sapo_seq"), ("vespo", "vespo")):
+        seq = make_args(tmp_path, loss_type=loss_type, importance_sampling_level="sequence", fastcov_loss_mode="vanilla",
+                        delta=2.0)  # TRL ignores delta for these loss types
+        assert seq.fastcov_mode() == mode and seq.fastcov_loss_config().dual_clip_c is None
+    vespo = make_args(tmp_path, loss_type="vespo", fastcov_loss_mode="vanilla", vespo_k_pos=1.5, vespo_lambda_neg=4.0)
+    assert (vespo.fastcov_loss_config().vespo_k_pos, vespo.fastcov_loss_config().vespo_lambda_neg) == (1.5, 4.0)

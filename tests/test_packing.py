@@ -97,6 +97,44 @@ def test_packed_gradients_equal_padded(policy):
         torch.testing.assert_close(grads[1][name], g, atol=1e-5, rtol=1e-4, msg=name)
 
 
+@pytest.mark.parametrize("mode, agg", [("gspo", "token-mean"), ("gspo", "seq-mean-token-mean"), ("vespo", "token-mean")])
+def test_packed_sequence_modes_equal_padded(policy, mode, agg):
+    """GSPO's sequence ratio (the mean log-ratio over each sequence's own tokens), VESPO's (a sum) and the seq-*
+    aggregations take a packed row's sequences one by one (``policy_loss(segments=mb.segment_ids())``): the loss and
+    every gradient of packed micro-batches equal the padded ones'. Without the segments a packed row's sequences
+    would share a ratio."""
+    from fastcov.losses import LossConfig, policy_loss
+
+    seqs = _sequences(n=8, seed=5)
+    width = max(len(s.response) for s in seqs)
+    ref_lp = _per_sequence(policy, seqs, width, budget=10_000)[0].detach()
+    rng = random.Random(1)
+    for i, s in enumerate(seqs):  # old log-probs near the policy's: ratios spread around 1, some past the clip
+        s.old_logprob = [float(ref_lp[i, t]) + rng.gauss(0, 0.1) for t in range(len(s.response))]
+    config = LossConfig(clip_low=0.05, clip_high=0.05)
+    n_tok, n_seq = sum(len(s.response) for s in seqs), len(seqs)
+    results = {}
+    for packing, use_segments in ((False, True), (True, True), (True, False)):
+        policy.zero_grad()
+        total, packed_rows = 0.0, 0
+        for mb in micro_batches(seqs, 10_000, 0, CPU, packing=packing):
+            res = policy(**mb.model_inputs(), temperature=0.7)
+            loss, _ = policy_loss(res.logprob, mb.old_logprob, mb.advantages, mb.mask, mode=mode, agg=agg,
+                                  config=config, global_tokens=n_tok, global_seqs=n_seq,
+                                  segments=mb.segment_ids() if use_segments else None)
+            total = total + loss
+            packed_rows += sum(1 for r in range(mb.input_ids.shape[0]) if sum(row == r for row, _, _ in mb.spans) > 1)
+        total.backward()
+        assert packing == (packed_rows > 0)
+        results[packing, use_segments] = (float(total), {n: p.grad.clone() for n, p in policy.named_parameters()})
+    loss, grads = results[False, True]
+    packed_loss, packed_grads = results[True, True]
+    assert packed_loss == pytest.approx(loss, rel=1e-6, abs=1e-7)
+    for name, g in grads.items():
+        torch.testing.assert_close(packed_grads[name], g, atol=1e-6, rtol=1e-5, msg=name)
+    assert abs(results[True, False][0] - loss) > 1e-4  # the segments matter
+
+
 def test_packed_mask_is_block_diagonal_causal():
     # two sequences of 3 and 2 tokens, then 2 padding tokens (a segment of their own)
     pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1]])

@@ -178,7 +178,7 @@ def test_weights_bad_input():
 
 
 def test_modes_are_registered():
-    assert {"cispo", "gspo", "sapo"} <= set(fastcov.available_modes())
+    assert {"cispo", "gspo", "sapo", "cispo_seq", "sapo_seq", "vespo"} <= set(fastcov.available_modes())
 
 
 def test_cispo_gradient_is_the_clipped_weight_times_the_advantage():
@@ -211,7 +211,7 @@ def test_sapo_gate():
     torch.testing.assert_close(loss, expected, rtol=1e-12, atol=0.0)
 
 
-@pytest.mark.parametrize("mode", ["cispo", "gspo", "sapo"])
+@pytest.mark.parametrize("mode", ["cispo", "gspo", "sapo", "cispo_seq", "sapo_seq", "vespo"])
 def test_modes_compose_with_lambda_high_entropy_and_the_entropy_bonus(mode):
     logprob, old, adv, mask, weights = _loss_inputs(11)
     entropy = torch.rand(logprob.shape, dtype=torch.float64).requires_grad_(True)
@@ -220,7 +220,8 @@ def test_modes_compose_with_lambda_high_entropy_and_the_entropy_bonus(mode):
     loss, m = policy_loss(lp, old, adv, mask, mode=mode, config=config, entropy=entropy, weights=weights)
     loss.backward()
     assert torch.isfinite(loss) and float(m["high_entropy_frac"]) == pytest.approx(0.5, abs=0.05)
-    if mode != "gspo":  # λ+ = 0: tokens with A > 0 get no policy gradient (GSPO's are coupled through its row)
+    if mode not in ("gspo", "sapo_seq"):  # λ+ = 0: tokens with A > 0 get no policy gradient (a sequence ratio's
+        # gradient couples its row's tokens)
         assert float(lp.grad[(adv > 0) & mask].abs().max()) == 0.0
     assert float(entropy.grad[mask].abs().min()) > 0  # the bonus on every valid token
 
@@ -270,7 +271,8 @@ def test_trl_loss_code_matches_the_modes():
     # these inputs stay far inside it)
     log_ratio = old - sampling
     cases = [("cispo", "token", "cispo", None), ("sapo", "token", "sapo", None), ("grpo", "sequence", "gspo", None),
-             ("dapo", "token", "vanilla", None), ("dapo", "token", "vanilla", 0.02), ("cispo", "token", "cispo", 0.0)]
+             ("dapo", "token", "vanilla", None), ("dapo", "token", "vanilla", 0.02), ("cispo", "token", "cispo", 0.0),
+             ("cispo", "sequence", "cispo_seq", None), ("sapo", "sequence", "sapo_seq", 0.02)]
     for is_mode in (None, "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"):
         for loss_type, level, mode, opsm in cases:
             weights, trl_ratio = None, None
@@ -296,7 +298,7 @@ def test_trl_loss_code_matches_the_modes():
             ours.backward()
             label = (is_mode, loss_type, opsm)
             torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=0.0, msg=lambda m: f"{label}: {m}")
-            if mode == "gspo" and is_mode is not None and is_mode.startswith("token"):
+            if mode in ("gspo", "sapo_seq") and is_mode is not None and is_mode.startswith("token"):
                 # TRL's sequence ratio carries its gradient through the row mean, so each token's gradient takes
                 # the row's mean weight; verl's token form (fastcov's) takes the token's own: same loss value
                 assert not torch.allclose(lp_ours.grad, lp_theirs.grad)
@@ -305,3 +307,83 @@ def test_trl_loss_code_matches_the_modes():
             torch.testing.assert_close(lp_ours.grad, lp_theirs.grad, rtol=1e-10, atol=1e-14,
                                        msg=lambda m: f"{label}: {m}")
     assert trl.__version__.startswith("1.")
+
+
+def test_vespo_is_trls_gamma_weighting():
+    """VESPO against TRL 1.16's own ``GRPOTrainer.get_gamma_weights`` on random tensors (with and without its
+    token-level vLLM ratio, which fastcov folds into the old log-probs): the same loss and gradient."""
+    pytest.importorskip("trl")
+    from trl.trainer.grpo_trainer import GRPOTrainer
+
+    rows, cols = 7, 9
+    g = torch.Generator().manual_seed(13)
+    mask = (torch.arange(cols)[None, :] < torch.randint(1, cols + 1, (rows,), generator=g)[:, None])
+    logprob = -2 * torch.rand(rows, cols, generator=g, dtype=torch.float64)
+    old = logprob + 0.15 * torch.randn(rows, cols, generator=g, dtype=torch.float64)
+    adv = torch.randn(rows, generator=g, dtype=torch.float64)
+    mask[1] = False  # an empty row
+    params = dict(k_pos=1.5, lambda_pos=2.5, k_neg=3.5, lambda_neg=1.5)
+    config = LossConfig(vespo_k_pos=1.5, vespo_lambda_pos=2.5, vespo_k_neg=3.5, vespo_lambda_neg=1.5)
+    is_ratio = torch.exp(0.1 * torch.randn(rows, cols, generator=g, dtype=torch.float64)).clamp(0.9, 1.1)
+    is_ratio = torch.where(mask, is_ratio, torch.ones_like(is_ratio))  # TRL's ratio on padding: exp(0) = 1
+    phis = []
+    for ratio in (None, is_ratio):
+        lp_theirs = logprob.clone().requires_grad_(True)
+        phi = GRPOTrainer.get_gamma_weights(adv[:, None], lp_theirs - old, mask.double(), ratio, **params)
+        theirs = (-phi * adv[:, None] * lp_theirs * mask).sum() / mask.sum()
+        theirs.backward()
+        folded = old if ratio is None else old - torch.where(mask, ratio.log(), 0.0)
+        lp_ours = logprob.clone().requires_grad_(True)
+        ours, _ = policy_loss(lp_ours, folded, adv[:, None].expand(rows, cols), mask, mode="vespo", config=config)
+        ours.backward()
+        torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=0.0)
+        torch.testing.assert_close(lp_ours.grad, lp_theirs.grad, rtol=1e-12, atol=1e-15)
+        phis.append(phi)
+    assert float((phis[0] - phis[1]).abs().max()) > 1e-3  # the vLLM ratio moves the weights
+    assert float((phis[0] - 1).abs().max()) > 1e-2  # and the weights are not all 1
+
+
+def test_vespo_weight_is_one_on_policy_and_carries_no_gradient():
+    logprob, _, adv, mask, _ = _loss_inputs(14)
+    lp = logprob.clone().requires_grad_(True)
+    loss, _ = policy_loss(lp, logprob, adv, mask, mode="vespo")  # w = 1: φ = 1, the plain policy gradient
+    loss.backward()
+    torch.testing.assert_close(lp.grad, -adv * mask / mask.sum(), rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("name", ["vespo_k_pos", "vespo_lambda_neg"])
+def test_vespo_parameters_are_checked(name):
+    with pytest.raises(ValueError, match=name):
+        LossConfig(**{name: -1.0})
+
+
+@pytest.mark.parametrize("mode, agg", [("gspo", "seq-mean-token-mean"), ("sapo_seq", "token-mean"),
+                                       ("cispo_seq", "seq-mean-token-sum"), ("vanilla", "seq-mean-token-mean"),
+                                       ("vespo", "token-mean")])
+def test_segments_make_a_packed_row_equal_its_padded_rows(mode, agg):
+    """Two sequences packed into one row (``segments`` telling them apart) give the loss and gradient of the same two
+    as padded rows: the sequence ratio is each one's own (VESPO's sum too), and seq-* aggregations count two."""
+    logprob, old, adv, mask, _ = _loss_inputs(15, rows=2, cols=6)
+    mask[:] = True
+    mask[1, 4:] = False
+    packed = [torch.cat([x[0], x[1, :4]])[None] for x in (logprob, old, adv)]
+    segments = torch.tensor([[1] * 6 + [2] * 4])
+    config = LossConfig(clip_low=0.05, clip_high=0.05)
+    lp_padded, lp_packed = logprob.clone().requires_grad_(True), packed[0].clone().requires_grad_(True)
+    padded_loss, _ = policy_loss(lp_padded, old, adv, mask, mode=mode, agg=agg, config=config)
+    packed_loss, _ = policy_loss(lp_packed, packed[1], packed[2], torch.ones(1, 10, dtype=torch.bool), mode=mode,
+                                 agg=agg, config=config, segments=segments)
+    torch.testing.assert_close(packed_loss, padded_loss, rtol=1e-12, atol=0.0)
+    (padded_loss + packed_loss).backward()
+    torch.testing.assert_close(lp_packed.grad[0], torch.cat([lp_padded.grad[0], lp_padded.grad[1, :4]]), rtol=1e-12,
+                               atol=1e-15)
+    unsegmented, _ = policy_loss(packed[0], packed[1], packed[2], torch.ones(1, 10, dtype=torch.bool), mode=mode,
+                                 agg=agg, config=config)
+    assert abs(float(unsegmented) - float(padded_loss.detach())) > 1e-6  # without segments: the row is one sequence
+
+
+def test_bad_segments_name_the_argument():
+    logprob, old, adv, mask, _ = _loss_inputs(16)
+    for bad in (torch.zeros(2, 2, dtype=torch.long), torch.ones_like(logprob)):  # wrong shape, floating
+        with pytest.raises(ValueError, match="segments"):
+            policy_loss(logprob, old, adv, mask, mode="gspo", segments=bad)

@@ -52,7 +52,6 @@ def test_default_is_off_for_the_hf_engine_and_on_for_vllm(tmp_path):
      "algo.rollout_correction.rejection_threshold"),
     (["algo.rollout_correction.off_policy_mask_threshold=-1"], "algo.rollout_correction.off_policy_mask_threshold"),
     (["algo.mode=cispo", "algo.dual_clip_c=3"], "algo.dual_clip_c"),
-    (["algo.mode=gspo"], "trainer.packing"),
     (["algo.mode=cispo", "algo.cispo_clip_max=0"], "algo.cispo_clip_max"),
     (["algo.mode=sapo", "algo.sapo_tau_neg=-1"], "algo.sapo_tau_neg"),
 ])
@@ -103,13 +102,13 @@ def test_correct_rollouts_stores_the_librarys_weights_and_logs_verls_metrics(tmp
         assert math.isfinite(metrics[f"rollout_corr/{key}"]), key
 
 
-@pytest.mark.parametrize("mode", ["cispo", "sapo", "gspo"])
+@pytest.mark.parametrize("mode", ["cispo", "sapo", "gspo", "vespo"])
 def test_a_step_of_each_mode_with_the_correction_logs_finite_metrics(tmp_path, mode, monkeypatch):
     monkeypatch.setattr(train_mod.RewardFn, "__call__", lambda self, text, truth: float(len(text) % 2))
     cfg = tiny(tmp_path, f"algo.mode={mode}", "trainer.max_steps=1", "trainer.eval_every=0",
                "algo.rollout_correction.enabled=true", "algo.rollout_correction.rejection=seq_mean_k3",
-               "algo.rollout_correction.rejection_threshold=0.01", "algo.high_entropy_fraction=0.5",
-               *(["trainer.packing=false"] if mode == "gspo" else []))
+               "algo.rollout_correction.rejection_threshold=0.01", "algo.high_entropy_fraction=0.5")
+    assert cfg.trainer.packing  # the sequence modes (gspo, vespo) run on packed rows
     last = read_metrics(train_mod.train(cfg) / "metrics.jsonl")[-1]
     corr = {k: v for k, v in last.items() if k.startswith("rollout_corr/")}
     assert len(corr) > 20 and all(math.isfinite(v) for v in corr.values())

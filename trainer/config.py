@@ -711,7 +711,7 @@ def rollout_correction_enabled(cfg: Config) -> bool:
 
 
 # modes outside the PPO-clip family (fastcov/policy_modes.py): what does not apply to them
-SELECTION_FREE_MODES = ("cispo", "gspo", "sapo")
+SELECTION_FREE_MODES = ("cispo", "gspo", "sapo", "cispo_seq", "sapo_seq", "vespo")
 
 
 def _validate_rollout_correction(cfg: Config) -> None:
@@ -741,8 +741,6 @@ def _validate_rollout_correction(cfg: Config) -> None:
     if a.mode in SELECTION_FREE_MODES:
         _check(a.dual_clip_c is None, "algo.dual_clip_c",
                f"the dual clip bounds PPO's clipped loss for A < 0; algo.mode={a.mode} has no such loss (set null)")
-        _check(a.mode != "gspo" or not cfg.trainer.packing, "trainer.packing",
-               "GSPO's ratio is a mean over each sequence and the loss sees one sequence per row: set packing false")
 
 
 # ----------------------------------------------------------------------------------------------- loading

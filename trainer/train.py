@@ -359,6 +359,7 @@ def update_policy(engine, seqs: list[Sequence], kept_groups: list[int], cfg: Con
                     entropy=res.entropy, vocab_cov=res.vocab_cov, group=group,
                     global_tokens=g_tok, global_seqs=g_seq, generator=generator, selection=mb_selection,
                     weights=None if rollout_weights is None else mb.from_sequences(rollout_weights),
+                    segments=mb.segment_ids(),
                 )
                 # Divided by the mini-batch totals over all ranks, the micro-batch losses sum to the
                 # mini-batch loss; DeepSpeed averages gradients over ranks, hence the world factor.

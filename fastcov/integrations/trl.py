@@ -33,7 +33,11 @@ Mapping of TRL's options (``FastcovGRPOConfig``)::
               "luspo"      -> agg "seq-mean-token-sum" over the micro-batch's B rows, / gradient_accumulation_steps
               "cispo"      -> mode "cispo" (cispo_clip_max = epsilon_high, no lower bound), normalized like "dapo"
               "sapo"       -> mode "sapo" (tau = sapo_temperature_pos / _neg), normalized like "grpo"
-    importance_sampling_level "sequence" -> mode "gspo" (GSPO; loss_type grpo, bnpo, dr_grpo, dapo or luspo)
+              "vespo"      -> mode "vespo" (k, lambda = vespo_k_pos / _lambda_pos for A >= 0, _neg below),
+                              normalized like "dapo"; the vLLM ratio (token modes) enters its sequence ratio, as TRL's
+    importance_sampling_level "sequence" -> mode "gspo" (GSPO; loss_type grpo, bnpo, dr_grpo, dapo or luspo),
+                              "cispo_seq" / "sapo_seq" (loss_type cispo / sapo), "vespo" (VESPO's ratio is a
+                              sequence's at either level; the level changes only the bias-corrected KL)
     beta                   -> TRL's k3 KL to the reference model, aggregated like the policy loss; with
                               use_bias_correction_kl (TRL's default) × the ratio to the old policy (GSPO's sequence
                               ratio at sequence level)
@@ -46,8 +50,10 @@ Rollout correction (TRL's options, TRL's behaviour; ``fastcov.correction``), as 
     off_policy_mask_threshold             fastcov.off_policy_sequence_mask: drop a sequence with A < 0 whose mean
                                           log π_sampler − log π exceeds it (π_old without the sampler's log-probs)
 
-With GSPO, a per-token weight acts as its row's mean weight, as in TRL (whose sequence ratio takes its gradient
-through the row's mean). fastcov bounds the exponents of its ratios (±20; GSPO's log-ratio ≤ 10), TRL does not:
+With GSPO and sapo_seq, a per-token weight acts as its row's mean weight, as in TRL (whose sequence ratio takes its
+gradient through the row's mean). With VESPO the vLLM ratio is not a weight: its log joins the old log-probs (in
+float64), so VESPO's w is π / π_sampler (truncated or masked as TRL's ratio is), as in TRL.
+fastcov bounds the exponents of its ratios (±20; GSPO's log-ratio ≤ 10), TRL does not:
 the two differ only past those bounds. The losses, the rollout weights' mean (``fastcov/rollout_is_mean``) and the
 masked share (``fastcov/off_policy_masked_fraction``) are logged.
 
@@ -67,11 +73,12 @@ high-entropy selection; TRL picks its own quantile over all processes). The cont
 checkpoint (``fastcov_entropy_control.json``) and restored on resume; ``entropy_coef`` (the coefficient) or
 ``fastcov/entropy_control/value`` (another knob) is logged at every optimizer step.
 
-Refused (ValueError naming the option): loss_type "vespo" (its gamma weighting is not a fastcov mode); cispo, sapo
-or importance_sampling_level "sequence" with fastcov_loss_mode clip_cov / kl_cov (those select tokens inside PPO's
-token clip; use "vanilla") or fastcov_scope "global"; cispo / sapo at sequence level; with sequence level,
-top_entropy_quantile < 1 and delta (not reproduced by fastcov's GSPO); MoE router aux loss, multimodal inputs,
-FSDP (the fused kernel reads ``lm_head.weight`` whole in its backward).
+Refused (ValueError naming the option): cispo, sapo, vespo or importance_sampling_level "sequence" with
+fastcov_loss_mode clip_cov / kl_cov (those select tokens inside PPO's token clip; use "vanilla") or fastcov_scope
+"global" (nothing to select); top_entropy_quantile < 1 with GSPO / sequence-level sapo (a token mask of a ratio whose
+gradient runs through its whole row) and delta with GSPO (no dual clip); vespo with a sequence_* vLLM mode (TRL
+refuses it too); MoE router aux loss, multimodal inputs, FSDP (the fused kernel reads ``lm_head.weight`` whole in
+its backward).
 
 LoRA: pass ``peft_config=peft.LoraConfig(...)`` as to ``GRPOTrainer``. TRL wraps the policy in a PeftModel; the
 fused head runs on its base model's decoder (adapters active), only the adapters train, and with ``beta > 0`` the
@@ -128,11 +135,16 @@ LOSS_TYPE_AGG = {
     "luspo": "seq-mean-token-sum",
     "cispo": "token-mean",
     "sapo": "seq-mean-token-mean",
+    "vespo": "token-mean",
 }
 # loss types that are a fastcov mode of their own (not PPO's clip, so not Clip-Cov / KL-Cov)
-LOSS_TYPE_MODE = {"cispo": "cispo", "sapo": "sapo"}
+LOSS_TYPE_MODE = {"cispo": "cispo", "sapo": "sapo", "vespo": "vespo"}
+# ... and at importance_sampling_level="sequence" (VESPO's weight is a sequence's at either level)
+_SEQUENCE_MODE = {"cispo": "cispo_seq", "sapo": "sapo_seq", "vespo": "vespo"}
+# modes whose ratio takes its gradient through the row's mean log-ratio: a per-token weight acts as the row's mean
+_ROW_MEAN_WEIGHT_MODES = ("gspo", "sapo_seq")
 # loss types whose token normalizer is TRL's num_items_in_batch (the accumulated batch's active tokens)
-_GLOBAL_TOKEN_TYPES = ("dapo", "cispo")
+_GLOBAL_TOKEN_TYPES = ("dapo", "cispo", "vespo")
 _IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 _NO_UPPER = 1e300  # TRL's clip_max=None: no upper bound (fastcov's weights are bounded by exp(20) anyway)
 _DEFAULTS = LossConfig()
@@ -169,9 +181,6 @@ class FastcovGRPOConfig(GRPOConfig):
             raise ValueError(f"fastcov_loss_mode must be one of {MODES}, got {self.fastcov_loss_mode!r}")
         if self.fastcov_scope not in SCOPES:
             raise ValueError(f"fastcov_scope must be one of {SCOPES}, got {self.fastcov_scope!r}")
-        if self.loss_type == "vespo":
-            raise ValueError("loss_type='vespo' is not supported by FastcovGRPOConfig: VESPO's gamma weighting of the "
-                             "sequence ratio is not one of fastcov's loss modes")
         if self.loss_type not in LOSS_TYPE_AGG:
             raise ValueError(f"loss_type={self.loss_type!r} is not supported by FastcovGRPOConfig; use one of "
                              f"{tuple(LOSS_TYPE_AGG)}")
@@ -179,14 +188,11 @@ class FastcovGRPOConfig(GRPOConfig):
         if self.importance_sampling_level not in ("token", "sequence"):
             raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got "
                              f"{self.importance_sampling_level!r}")
-        if sequence and self.loss_type in LOSS_TYPE_MODE:
-            raise ValueError(f"importance_sampling_level='sequence' is not supported with loss_type="
-                             f"{self.loss_type!r}: fastcov's sequence ratio is GSPO's PPO clip (loss_type grpo, bnpo, "
-                             "dr_grpo, dapo or luspo)")
-        if sequence and self.top_entropy_quantile != 1.0:
-            raise ValueError("top_entropy_quantile < 1 is not supported with importance_sampling_level='sequence' "
-                             "(TRL masks tokens of a sequence ratio, which fastcov's GSPO does not reproduce)")
-        if sequence and self.delta is not None:
+        if self.fastcov_mode() in _ROW_MEAN_WEIGHT_MODES and self.top_entropy_quantile != 1.0:
+            raise ValueError(f"top_entropy_quantile < 1 is not supported with importance_sampling_level='sequence' and "
+                             f"loss_type={self.loss_type!r}: TRL masks tokens of a sequence ratio whose gradient runs "
+                             "through all of the row's tokens, which fastcov's token form does not reproduce")
+        if sequence and self.delta is not None and self.loss_type not in LOSS_TYPE_MODE:
             raise ValueError("delta is not supported with importance_sampling_level='sequence' (fastcov's GSPO has "
                              "no dual clip)")
         if (sequence or self.loss_type in LOSS_TYPE_MODE) and self.fastcov_loss_mode != "vanilla":
@@ -197,6 +203,7 @@ class FastcovGRPOConfig(GRPOConfig):
             raise ValueError(f"fastcov_scope must be 'microbatch' with the {self.fastcov_mode()} loss (it selects no "
                              "tokens)")
         if self.use_vllm and self.vllm_importance_sampling_correction:
+            _check_vespo_is_mode(self.loss_type, self.vllm_importance_sampling_mode)
             if self.vllm_importance_sampling_mode not in _IS_MODES:
                 raise ValueError(f"vllm_importance_sampling_mode must be one of {_IS_MODES}, got "
                                  f"{self.vllm_importance_sampling_mode!r}")
@@ -286,10 +293,12 @@ class FastcovGRPOConfig(GRPOConfig):
         return float(self.epsilon if self.epsilon_high is None else self.epsilon_high)
 
     def fastcov_mode(self) -> str:
-        """The fastcov loss mode TRL's options pick: "cispo" / "sapo" (loss_type), "gspo"
-        (importance_sampling_level="sequence"), else ``fastcov_loss_mode``."""
+        """The fastcov loss mode TRL's options pick: "cispo" / "sapo" / "vespo" (loss_type; "cispo_seq" / "sapo_seq"
+        at importance_sampling_level="sequence"), "gspo" (importance_sampling_level="sequence"), else
+        ``fastcov_loss_mode``."""
         if self.loss_type in LOSS_TYPE_MODE:
-            return LOSS_TYPE_MODE[self.loss_type]
+            table = _SEQUENCE_MODE if self.importance_sampling_level == "sequence" else LOSS_TYPE_MODE
+            return table[self.loss_type]
         return "gspo" if self.importance_sampling_level == "sequence" else self.fastcov_loss_mode
 
     def fastcov_loss_config(self) -> LossConfig:
@@ -303,6 +312,10 @@ class FastcovGRPOConfig(GRPOConfig):
             cispo_clip_max=self._clip_high() if self.loss_type == "cispo" else _DEFAULTS.cispo_clip_max,
             sapo_tau_pos=float(self.sapo_temperature_pos),
             sapo_tau_neg=float(self.sapo_temperature_neg),
+            vespo_k_pos=float(self.vespo_k_pos),
+            vespo_lambda_pos=float(self.vespo_lambda_pos),
+            vespo_k_neg=float(self.vespo_k_neg),
+            vespo_lambda_neg=float(self.vespo_lambda_neg),
             clip_cov_ratio=self.clip_cov_ratio,
             clip_cov_lb=self.clip_cov_lb,
             clip_cov_ub=self.clip_cov_ub,
@@ -464,9 +477,17 @@ class FastcovGRPOTrainer(GRPOTrainer):
         advantages = _per_token(inputs["advantages"], logps)
         loss_mode = self._fastcov_mode
         weights, extra_metrics = self._fastcov_rollout_weights(inputs, logps, old, mask)
-        if weights is not None and loss_mode == "gspo":
+        mode_old = old  # the policy loss's old log-probs (VESPO's fold the sampler ratio in; the KL's do not)
+        if isinstance(weights, tuple):
+            # TRL's VESPO multiplies the sampler ratio into its sequence ratio w instead of the loss: fold its log
+            # into the old log-probs (log w = Σ log π − log π_old + log ratio) and keep only the off-policy mask
+            weights, is_weights = weights
+            # (in float64: π_old's log-probs are ~log 1/V, and an fp32 sum would round the ratios' logs away)
+            log_is = torch.where(mask != 0, is_weights.clamp(min=1e-8).log().clamp(max=20.0), 0.0)
+            mode_old = old.double() - log_is.double()
+        if weights is not None and loss_mode in _ROW_MEAN_WEIGHT_MODES:
             # TRL's sequence ratio takes its gradient through the row's mean log-ratio, so a per-token weight acts
-            # as the row's mean weight (same loss, same gradient); fastcov's GSPO is the per-token form
+            # as the row's mean weight (same loss, same gradient); fastcov's GSPO / sapo_seq are the per-token form
             rows = (weights * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
             weights = rows.expand_as(weights) * (mask != 0)
 
@@ -492,7 +513,7 @@ class FastcovGRPOTrainer(GRPOTrainer):
         if ctl is not None and ctl.knob != "entropy_coef":
             config = dataclasses.replace(config, **{ctl.knob: ctl.applied})
         loss, metrics = policy_loss(
-            logps, old, advantages, mask, mode=loss_mode, agg=agg, scope=scope,
+            logps, mode_old, advantages, mask, mode=loss_mode, agg=agg, scope=scope,
             config=config, entropy=entropies, group=self._fastcov_group() if scope == "global" else None,
             global_tokens=global_tokens, global_seqs=global_seqs, selection=selection, weights=weights,
         )
@@ -520,7 +541,8 @@ class FastcovGRPOTrainer(GRPOTrainer):
         """Per-token loss weights [B, C] (or None) and their metrics: TRL's vLLM importance-sampling correction
         (``fastcov.rollout_correction`` of log π_old − log π_sampler, NaN sampler log-probs → ratio 1) times TRL's
         off-policy sequence mask (``fastcov.off_policy_sequence_mask`` of log π − log π_sampler, or of
-        log π − log π_old without the sampler's log-probs)."""
+        log π − log π_old without the sampler's log-probs). With VESPO the weights are a pair (the off-policy mask or
+        None, the sampler ratio), which ``_compute_loss`` folds into VESPO's sequence ratio as TRL does."""
         weights, metrics = None, {}
         valid = mask != 0
         if not bool(valid.any()):  # nothing to weight (and TRL's weights multiply nothing)
@@ -537,6 +559,10 @@ class FastcovGRPOTrainer(GRPOTrainer):
                 log_ratio, valid, level=level, mode=how, clip_max=_NO_UPPER if clip_max is None else float(clip_max),
                 clip_min=self.vllm_importance_sampling_clip_min)
             metrics["rollout_is_mean"] = is_metrics["rollout_is_mean"]
+        vespo_ratio = None
+        if self._fastcov_mode == "vespo" and weights is not None:
+            _check_vespo_is_mode(self.loss_type, self.vllm_importance_sampling_mode)
+            weights, vespo_ratio = None, weights
         if self.off_policy_mask_threshold is not None:
             reference = old if sampling is None else sampling
             log_ratio = torch.nan_to_num(logps.detach() - reference, nan=0.0)
@@ -545,6 +571,8 @@ class FastcovGRPOTrainer(GRPOTrainer):
             metrics.update(mask_metrics)
             keep = keep.to(logps.dtype)
             weights = keep if weights is None else weights.to(logps.dtype) * keep
+        if vespo_ratio is not None:
+            weights = (weights, vespo_ratio)
         return weights, metrics
 
     def _fastcov_entropy_control(self, mode, loss, entropies, mask, selection, accumulation):
@@ -609,6 +637,13 @@ class FastcovGRPOTrainer(GRPOTrainer):
         totals = torch.stack([(entropies.detach() * mask).sum(), mask.sum().float()])
         totals = self.accelerator.reduce(totals, reduction="sum")
         self._metrics[mode]["entropy"].append((totals[0] / totals[1].clamp(min=1.0)).item())
+
+
+def _check_vespo_is_mode(loss_type, is_mode) -> None:
+    if loss_type == "vespo" and is_mode not in ("token_truncate", "token_mask"):
+        raise ValueError(f"vllm_importance_sampling_mode must be 'token_truncate' or 'token_mask' with loss_type="
+                         f"'vespo' (as in TRL: VESPO multiplies the per-token ratios into its sequence ratio), got "
+                         f"{is_mode!r}")
 
 
 def _loss_mask(inputs) -> torch.Tensor:

@@ -89,6 +89,17 @@ class MicroBatch:
             inputs["position_ids"] = self.position_ids
         return inputs
 
+    def segment_ids(self) -> torch.Tensor | None:
+        """int64 [B, L]: i + 1 on the response labels of the i-th sequence held here, 0 elsewhere; None unless
+        packed (a row is then one sequence). ``policy_loss``'s ``segments``: GSPO's sequence ratio and the seq-*
+        aggregations take each packed sequence on its own."""
+        if not self.packed:
+            return None
+        out = torch.zeros(self.mask.shape, dtype=torch.long, device=self.mask.device)
+        for i, (row, start, n) in enumerate(self.spans):
+            out[row, start:start + n] = i + 1
+        return out
+
     def _token_index(self, device: torch.device):
         """int64 [n] each: (row, column) in this micro-batch and (sequence, token) in the [S, T] layout."""
         rows: list[int] = []
