@@ -26,8 +26,8 @@ the loss multiplied by the world size, as verl does with ``dp_size``.)
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable
 
 import torch
 
@@ -158,7 +158,7 @@ class Selection:
     high_entropy: torch.Tensor | None = None
     reference: torch.Tensor | None = None
 
-    def rows(self, index) -> "Selection":
+    def rows(self, index) -> Selection:
         """The selection of a micro-batch: rows ``index`` (slice, int tensor or bool tensor) of each mask."""
         return Selection(*(None if x is None else x[index] for x in (self.cov, self.high_entropy, self.reference)))
 
@@ -538,7 +538,7 @@ def policy_loss(
     global_tokens=None,
     global_seqs=None,
     generator: torch.Generator | None = None,
-    selection: "Selection | torch.Tensor | None" = None,
+    selection: Selection | torch.Tensor | None = None,
     impl: str = "auto",
     weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
@@ -40,7 +40,7 @@ def check_workspace_mb(value, name: str = "workspace_mb") -> float:
     return float(value)
 
 
-def workspace_bytes(workspace_mb: Optional[float] = None) -> int:
+def workspace_bytes(workspace_mb: float | None = None) -> int:
     """The backward's workspace budget in bytes: the argument, else $FASTCOV_WORKSPACE_MB, else 256 MiB."""
     if workspace_mb is None:
         raw = os.environ.get(WORKSPACE_ENV, "").strip()
@@ -67,7 +67,7 @@ def chunk_rows(n: int, v: int, itemsize: int, budget: int, has_bias: bool = Fals
 FillDz = Callable[[int, int, torch.Tensor], None]
 
 
-def gemm_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], fill_dz: FillDz,
+def gemm_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fill_dz: FillDz,
                   rows: int, need_dh: bool = True, need_dw: bool = True):
     """(dh [N, D] | None, dW [V, D] | None, db [V] | None) in the inputs' dtypes.
 

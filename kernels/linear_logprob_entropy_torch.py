@@ -13,8 +13,6 @@ slab of W in fp32), so its peak stays within the same budget.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from fastcov.kernels._stats import combine_partials, dz_from_upstream
@@ -47,7 +45,7 @@ def _tempered_logits(h, w, b, inv_temp):
 
 
 def stats_forward(hidden, weight, bias, labels, temperature, topk, want_cov=True, workspace=None,
-                  chunk_elements: Optional[int] = None, max_chunk_v: int = MAX_CHUNK_V):
+                  chunk_elements: int | None = None, max_chunk_v: int = MAX_CHUNK_V):
     """Streaming statistics over the vocabulary.
 
     hidden [N, D], weight [V, D], bias [V] or None, labels [N] int64. Returns the combined stats

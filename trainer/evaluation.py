@@ -17,7 +17,7 @@ final answers, as fixed-length sums that data-parallel ranks add up (``vector`` 
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -55,7 +55,7 @@ class EvalStats:
             if self.answer_fn is not None:
                 self.div[1] += distinct_answers(self.answer_fn(t) for t in texts)
             self.div[2] += 1
-        for ok, lps in zip(oks, logprobs):
+        for ok, lps in zip(oks, logprobs, strict=True):
             conf = sequence_confidence(lps)
             b = min(self.bins - 1, int(conf * self.bins))
             self.cal[b][0] += 1

@@ -30,7 +30,6 @@ model's own log_softmax(logits / T) only when the model's logits are exactly ``l
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -112,15 +111,15 @@ class FastcovCausalLMOutput(ModelOutput):
     """Output of a patched model called with labels. logprob/entropy/vocab_cov: [B, T] fp32. The KV
     cache, if any, is in ``cache`` or ``past_key_values``, the field the installed transformers uses."""
 
-    loss: Optional[torch.Tensor] = None
-    logprob: Optional[torch.Tensor] = None
-    entropy: Optional[torch.Tensor] = None
-    vocab_cov: Optional[torch.Tensor] = None
-    logits: Optional[torch.Tensor] = None
-    past_key_values: Optional[object] = None
-    cache: Optional[object] = None
-    hidden_states: Optional[tuple] = None
-    attentions: Optional[tuple] = None
+    loss: torch.Tensor | None = None
+    logprob: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    vocab_cov: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    past_key_values: object | None = None
+    cache: object | None = None
+    hidden_states: tuple | None = None
+    attentions: tuple | None = None
 
 
 def _refuse(model, what: str):
@@ -139,7 +138,7 @@ def _configs(model):
     return [("config", config)] + ([("config.text_config", text)] if text is not config else [])
 
 
-def _child_name(model, module) -> Optional[str]:
+def _child_name(model, module) -> str | None:
     for name, child in model.named_children():
         if child is module:
             return name

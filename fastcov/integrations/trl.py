@@ -604,7 +604,7 @@ class FastcovGRPOTrainer(GRPOTrainer):
         names = list(metrics)
         local = torch.stack([metrics[name].detach().float() for name in names])
         values = self.accelerator.reduce(local, reduction="mean").tolist()
-        for name, value in zip(names, values):
+        for name, value in zip(names, values, strict=True):
             self._metrics[mode]["kl" if name == "kl" else f"fastcov/{name}"].append(value)
         totals = torch.stack([(entropies.detach() * mask).sum(), mask.sum().float()])
         totals = self.accelerator.reduce(totals, reduction="sum")

@@ -255,7 +255,7 @@ def _warm_start(out_dir: Path, data_dir: Path, scfg: SFTConfig, max_ops: int, ma
 
     t0 = time.perf_counter()
     loss_v = float("nan")
-    for step in range(scfg.steps):
+    for _ in range(scfg.steps):
         batch = [encode(rng.choice(problems), rng.choices(synthetic.SOLUTION_STYLES, scfg.style_weights)[0])
                  for _ in range(scfg.batch_size)]
         L = max(len(p) + len(r) for p, r in batch)

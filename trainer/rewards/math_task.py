@@ -287,7 +287,7 @@ class VerifyPool:
                     continue
                 try:
                     msg = w.conn.recv()
-                except (EOFError, OSError):  # the worker died
+                except (EOFError, OSError) as exc:  # the worker died
                     self.deaths += 1
                     if w.state == "busy":
                         j = w.job
@@ -298,7 +298,7 @@ class VerifyPool:
                     else:
                         failed_starts += 1
                         if failed_starts > 3 * len(self.workers):
-                            raise RuntimeError("reward workers die while starting (is math-verify installed?)")
+                            raise RuntimeError("reward workers die while starting (is math-verify installed?)") from exc
                     restart(w)
                     continue
                 if w.state == "starting":
@@ -358,7 +358,7 @@ class RewardFn:
         out: list[bool] = [False] * len(responses)
         pending: list[int] = []
         answers: list[str | None] = []
-        for i, (resp, truth) in enumerate(zip(responses, truths)):
+        for i, (resp, truth) in enumerate(zip(responses, truths, strict=True)):
             answer = extract_boxed(resp)
             answers.append(answer)
             if not answer or len(answer) > MAX_ANSWER_CHARS:
@@ -385,7 +385,7 @@ class RewardFn:
                     verdicts.append(None)
             timed_out = sum(v is None for v in verdicts)
         self.timeouts += timed_out
-        for i, v in zip(pending, verdicts):
+        for i, v in zip(pending, verdicts, strict=True):
             if v is None:
                 warnings.warn(f"reward check timed out after {self.timeout_s}s (or its worker died) on answer "
                               f"{answers[i][:80]!r}", stacklevel=3)
@@ -413,7 +413,7 @@ class RewardFn:
         """Rewards of a batch (the pool checks undecided answers in parallel). A subclass (or a test)
         that overrides ``__call__`` is honoured: its ``__call__`` is then applied per response."""
         if type(self).__call__ is not RewardFn._own_call:
-            return [float(self(r, t)) for r, t in zip(responses, truths)]
+            return [float(self(r, t)) for r, t in zip(responses, truths, strict=True)]
         return [self._score(ok) for ok in self.check_batch(responses, truths)]
 
     def close(self) -> None:
@@ -423,5 +423,5 @@ class RewardFn:
     def __del__(self) -> None:  # pragma: no cover - interpreter shutdown order
         try:
             self.close()
-        except Exception:
+        except Exception:  # noqa: BLE001 - best effort: __del__ must not raise during interpreter shutdown
             pass

@@ -193,7 +193,7 @@ class HFRolloutEngine(RolloutEngine):
         token_ids: list[list[int]] = [[] for _ in range(B)]
         logprobs: list[list[float]] = [[] for _ in range(B)]
         for r, t, lp in steps:
-            for i, tk, lv in zip(r.tolist(), t.tolist(), lp.tolist()):
+            for i, tk, lv in zip(r.tolist(), t.tolist(), lp.tolist(), strict=True):
                 token_ids[i].append(tk)
                 logprobs[i].append(lv)
         return finish_rollouts(token_ids, logprobs, self.eos.tolist())

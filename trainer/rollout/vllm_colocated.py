@@ -170,7 +170,7 @@ class VLLMColocatedEngine(RolloutEngine):
         seeds = (list(sampling.seeds) if sampling.seeds is not None  # rollout.seeding per_sample
                  else [None] * n if generator is None else
                  torch.randint(0, 2**31 - 1, (n,), generator=generator, device=generator.device).tolist())
-        reqs = [(list(map(int, p)), s) for p, s in zip(prompts, seeds)]
+        reqs = [(list(map(int, p)), s) for p, s in zip(prompts, seeds, strict=True)]
         counts, me = [n], 0
         if self.group is not None:  # SPMD: every rank of the engine runs the same requests
             parts = [None] * dist.get_world_size(self.group)

@@ -83,7 +83,7 @@ class GlooUpdateInfo:
 
 def receive_chunk(comm, info: GlooUpdateInfo) -> list[tuple[str, torch.Tensor]]:
     """Receive one flat bucket from rank 0 and cut it into (name, tensor) views."""
-    sizes = [math.prod(s) * getattr(torch, d).itemsize for d, s in zip(info.dtype_names, info.shapes)]
+    sizes = [math.prod(s) * getattr(torch, d).itemsize for d, s in zip(info.dtype_names, info.shapes, strict=True)]
     flat = torch.empty(sum(sizes), dtype=torch.uint8)
     comm.broadcast(flat, src=0)
     return FlatChunk(flat, list(info.names), list(info.dtype_names), [list(s) for s in info.shapes], sizes).views()

@@ -130,7 +130,7 @@ class ServerWeightSender:
 
     def _all(self, path: str, payloads: list[dict | None] | None = None) -> list:
         payloads = payloads if payloads is not None else [{}] * len(self.urls)
-        return [self._pool.submit(self.post, u + path, p) for u, p in zip(self.urls, payloads)]
+        return [self._pool.submit(self.post, u + path, p) for u, p in zip(self.urls, payloads, strict=True)]
 
     @staticmethod
     def _wait(futs) -> None:
@@ -238,14 +238,15 @@ class VLLMServerEngine(RolloutEngine):
             return RolloutBatch([], [])
         model = self.served_model()
         jobs = []
-        for url, sl in zip(self.urls, split_evenly(len(prompts), len(self.urls))):
+        for url, sl in zip(self.urls, split_evenly(len(prompts), len(self.urls)), strict=True):
             part = [list(map(int, p)) for p in prompts[sl]]
             if part:
                 if sampling.seeds is None:
                     payload = completion_payload(model, part, sampling, self.eos)
                     jobs.append((len(part), self._pool.submit(self.post, url + "/v1/completions", payload)))
                     continue
-                for p, seed in zip(part, sampling.seeds[sl]):  # per_sample: one request per response, its seed
+                # per_sample: one request per response, its seed
+                for p, seed in zip(part, sampling.seeds[sl], strict=True):
                     payload = {**completion_payload(model, [p], sampling, self.eos), "seed": seed}
                     jobs.append((1, self._pool.submit(self.post, url + "/v1/completions", payload)))
         ids, lps = [], []

@@ -255,7 +255,7 @@ def check_model_source(mcfg, names: tuple[str, str] = ("model.path", "model.toke
     download or write. Hub ids (``org/name`` that is not a local path) are left to transformers.
     ``names``: how the error calls the model and tokenizer settings (config keys, or CLI flags).
     ``adapters_ok``: a saved LoRA adapter (adapter_config.json) is a model too (evaluation)."""
-    for key, value in zip(names, (mcfg.path, mcfg.tokenizer)):
+    for key, value in zip(names, (mcfg.path, mcfg.tokenizer), strict=True):
         if value is None or value.startswith("builtin:"):
             continue
         p = Path(value).expanduser()
