@@ -167,6 +167,7 @@ def predicted_entropy_change(logits: torch.Tensor, delta_logits: torch.Tensor | 
         return -logprob_covariance(logits, delta_logits)
     if lr is None:
         raise ValueError("lr is required with advantages")
+    assert advantages is not None  # exactly one of delta_logits or advantages
     return -logprob_covariance(logits, policy_gradient_step(logits, advantages, lr, update=update))
 
 

@@ -408,8 +408,9 @@ def _check_selection_mask(name: str, tensor, logprob: torch.Tensor) -> None:
 def _selection_scores(mode, logprob, advantages, valid, config, vocab_cov, group, generator, impl):
     """(scores, keys) for a mode's selector; logprob and advantages are detached and sanitized."""
     if config.cov_score == "random":
-        seed = draw_seed(generator, logprob.device, group)
-        _, keys = token_covariance_and_keys(logprob, advantages, valid, seed=seed, group=group, impl=impl)
+        random_seed = draw_seed(generator, logprob.device, group)
+        _, keys = token_covariance_and_keys(logprob, advantages, valid, seed=random_seed, group=group, impl=impl)
+        assert keys is not None  # a seed gives keys
         # 53 random bits of the key -> u in (0, 1), strictly inside the band (lb, ub)
         u = ((keys & ((1 << 53) - 1)).to(torch.float64) + 0.5) / float(1 << 53)
         lo, hi = config.clip_cov_lb, config.clip_cov_ub
@@ -425,7 +426,8 @@ def _selection_scores(mode, logprob, advantages, valid, config, vocab_cov, group
     return token_covariance_and_keys(logprob, advantages, valid, seed=seed, group=group, impl=impl)
 
 
-def _select_tokens(mode, logprob, old_logprob, advantages, valid, config, entropy, vocab_cov, group, generator, impl):
+def _select_tokens(mode, logprob, old_logprob, advantages, valid, config, entropy, vocab_cov, group, generator,
+                   impl) -> tuple[Selection, torch.Tensor | None]:
     """(Selection, scores or None) over this call's tokens and, with ``group``, all its ranks."""
     scores = cov_selected = reference = None
     if mode.selector is not None:
@@ -647,6 +649,7 @@ def policy_loss(
     aggregate = dict(global_tokens=global_tokens, global_seqs=global_seqs, loss_scale_factor=config.loss_scale_factor)
     loss = aggregate_loss(token_loss, valid, agg, **aggregate)
     if config.entropy_coef != 0.0:
+        assert entropy is not None  # checked on entry
         loss = loss - config.entropy_coef * aggregate_loss(entropy, valid, agg, **aggregate)
 
     metrics = _metrics(

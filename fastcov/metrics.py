@@ -195,7 +195,7 @@ def calibration_bins(confidence, outcome, bins: int = 10) -> list[CalibrationBin
         sums[b][2] += o
     res = []
     for b, (cnt, cs, os_) in enumerate(sums):
-        res.append(CalibrationBin(b / bins, (b + 1) / bins, cnt, cs / cnt if cnt else math.nan,
+        res.append(CalibrationBin(b / bins, (b + 1) / bins, int(cnt), cs / cnt if cnt else math.nan,
                                   os_ / cnt if cnt else math.nan))
     return res
 

@@ -182,7 +182,7 @@ def evaluate_model(model: str, data: list[str], *, k: int = 1, temperature: floa
     examples, _ = load_examples(data, tok, max_prompt_len)
     if max_prompts:
         examples = examples[:max_prompts]
-    net.config.use_cache = True
+    net.config.use_cache = True  # type: ignore[union-attr]  # a Hugging Face model's config (nn.Module types it)
     engine = HFRolloutEngine(net, [tok.eos_token_id], tok.pad_token_id, batch_size)
     cfg = Config(model=mcfg)
     cfg.trainer.eval_k = k

@@ -30,11 +30,12 @@ model's own log_softmax(logits / T) only when the model's logits are exactly ``l
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, NoReturn
 
 import torch
 
 from fastcov.integrations._require import require
-from fastcov.ops import FLOAT_DTYPES, linear_logprob_entropy
+from fastcov.ops import FLOAT_DTYPES, LogprobEntropy, linear_logprob_entropy
 
 transformers = require("transformers", "transformers", "'fastcov[hf]'")
 from transformers.modeling_outputs import CausalLMOutputWithPast  # noqa: E402
@@ -122,7 +123,7 @@ class FastcovCausalLMOutput(ModelOutput):
     attentions: tuple | None = None
 
 
-def _refuse(model, what: str):
+def _refuse(model, what: str) -> NoReturn:
     raise UnsupportedModelError(f"apply_fastcov: {type(model).__name__} {what}; the fused kernel would not give "
                                 f"the model's own log-probs, so it is refused")
 
@@ -194,15 +195,19 @@ def check_model(model, *, allow_unlisted: bool = False) -> None:
     decoder_and_head(model, allow_unlisted=allow_unlisted)
 
 
-def fused_logprob_entropy(model, hidden, labels, *, temperature=1.0, vocab_cov=False, impl="auto",
-                          ignore_index=-100):
+def fused_logprob_entropy(model: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor, *,
+                          temperature: float = 1.0, vocab_cov: bool = False, impl: str = "auto",
+                          ignore_index: int = -100) -> LogprobEntropy:
     """Per-token stats of labels [B, T] from the decoder's hidden [B, T, D], shifted so that position
     t scores labels[:, t] from hidden[:, t-1]. Returns a ``LogprobEntropy`` of [B, T] tensors."""
     _, head = decoder_and_head(model, allow_unlisted=bool(getattr(model, "_fastcov_allow_unlisted", False)))
     targets = torch.cat((labels[:, 1:], torch.full_like(labels[:, :1], ignore_index)), dim=1)
     stats = linear_logprob_entropy(hidden, head.weight, targets, bias=head.bias, temperature=temperature,
                                    ignore_index=ignore_index, vocab_cov=vocab_cov, impl=impl)
-    shift = lambda t: None if t is None else torch.nn.functional.pad(t[:, :-1], (1, 0))  # noqa: E731
+
+    def shift(t):  # untyped: None stays None, a tensor stays a tensor
+        return None if t is None else torch.nn.functional.pad(t[:, :-1], (1, 0))
+
     return stats._replace(logprob=shift(stats.logprob), entropy=shift(stats.entropy),
                           logsumexp=shift(stats.logsumexp), vocab_cov=shift(stats.vocab_cov))
 
@@ -254,7 +259,7 @@ def apply_fastcov(model, *, temperature: float = 1.0, vocab_cov: bool = False, i
     return model
 
 
-def revert_fastcov(model):
+def revert_fastcov(model: Any) -> Any:  # a transformers model (its attributes are set)
     """Undo ``apply_fastcov``."""
     original = getattr(model, "_fastcov_original_forward", None)
     if original is not None:

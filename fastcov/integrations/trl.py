@@ -359,6 +359,7 @@ def add_fastcov_head(model, temperature: float = 1.0, impl: str = "auto", zero3:
         with torch.autocast(hidden.device.type, enabled=False):
             stats = fused_logprob_entropy(base, hidden.to(head.weight.dtype), labels, temperature=temperature,
                                           impl=impl)
+        assert stats.entropy is not None  # computed unless entropy=False
         return FastcovCausalLMOutput(logprob=stats.logprob[:, 1:], entropy=stats.entropy[:, 1:])
 
     base.forward = forward

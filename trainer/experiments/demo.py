@@ -277,8 +277,8 @@ def _warm_start(out_dir: Path, data_dir: Path, scfg: SFTConfig, max_ops: int, ma
         sched.step()
         loss_v = float(loss.detach())
     model_dir = out_dir / "model"
-    model.config.use_cache = True
-    model.save_pretrained(model_dir)
+    model.config.use_cache = True  # type: ignore[union-attr]  # a Hugging Face model (nn.Module types its attributes)
+    model.save_pretrained(model_dir)  # type: ignore[operator]
     tok.save_pretrained(model_dir)
     return {"sft_loss": loss_v, "sft_seconds": time.perf_counter() - t0, "sft_steps": scfg.steps}
 

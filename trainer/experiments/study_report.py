@@ -280,10 +280,10 @@ def _gap_lines(numbers: dict[str, list[dict[str, Any]]], pass_k: int, baseline: 
         summary["arms"][arm]["entropy_gap" + key] = entry
         acc_text = ""
         for metric in (f"pass@{pass_k}", f"mean@{pass_k}"):  # mean@k only where pass@k was evaluated
-            vals = [[n.get(metric) for n in numbers[x]] for x in (arm, other)]
+            vals: list[list[Any]] = [[n.get(metric) for n in numbers[x]] for x in (arm, other)]
             if any(v is None for vs in vals for v in vs):
                 break
-            mgap, mhalf = diff_ci(*vals)
+            mgap, mhalf = diff_ci(vals[0], vals[1])
             summary["arms"][arm][f"{metric}_gap" + key] = {"mean": mgap, "ci95": mhalf}
             mverdict = "excludes" if _excludes_zero(mgap, mhalf) else "includes"
             acc_text += f"; {metric}: {_cell(mgap, mhalf)} (the interval {mverdict} 0)"
@@ -324,8 +324,8 @@ def _harder_lines(numbers: dict[str, list[dict[str, Any]]], baseline: str, summa
     k = first["k"]
     metrics = (f"pass@{k}", f"mean@{k}", "distinct_answers")
 
-    def cell(ci, spec=".3f"):
-        return _cell(*ci, spec) + (" *" if ci[0] is not None and _excludes_zero(*ci) else "")
+    def cell(ci: tuple[float | None, float | None], spec: str = ".3f") -> str:
+        return _cell(*ci, spec) + (" *" if ci[0] is not None and _excludes_zero(ci[0], ci[1]) else "")
 
     starts = [r["harder"]["start"] for runs in numbers.values() for r in runs]
     start = {m: _mean_ci_of_known([s.get(m) for s in starts]) for m in metrics}
@@ -352,7 +352,8 @@ def _harder_lines(numbers: dict[str, list[dict[str, Any]]], baseline: str, summa
     if contrasts:
         lines.append("")
     for arm, other in contrasts:
-        gaps = {m: diff_ci(*[[r["harder"]["end"][m] for r in numbers[x]] for x in (arm, other)]) for m in metrics[:2]}
+        gaps = {m: diff_ci([r["harder"]["end"][m] for r in numbers[arm]],
+                           [r["harder"]["end"][m] for r in numbers[other]]) for m in metrics[:2]}
         out["arms"][arm].update({f"{m}_gap_vs_{other}": {"mean": g[0], "ci95": g[1]} for m, g in gaps.items()})
         lines.append(f"- {arm} − {other}: " + ", ".join(f"{m} {cell(g)}" for m, g in gaps.items()) + ".")
     summary["harder"] = out
@@ -549,7 +550,7 @@ def _pair_stats(numbers, arm: str, control: str, value) -> dict[str, Any] | None
     vals = [[value(r) for r in numbers[x]] for x in (arm, control)]
     if any(v is None for vs in vals for v in vs):
         return None
-    (ms, hs), (mc, hc), (d, hd) = mean_ci(vals[0]), mean_ci(vals[1]), diff_ci(*vals)
+    (ms, hs), (mc, hc), (d, hd) = mean_ci(vals[0]), mean_ci(vals[1]), diff_ci(vals[0], vals[1])
     return {"selection": {"mean": ms, "ci95": hs}, "random": {"mean": mc, "ci95": hc},
             "diff": {"mean": d, "ci95": hd, "excludes_zero": _excludes_zero(d, hd)}}
 

@@ -116,7 +116,7 @@ class HFRolloutEngine(RolloutEngine):
         if self.shares_policy:
             drain(named_tensors)
             return
-        own = dict(self.model.named_parameters())
+        own: dict[str, torch.Tensor] = dict(self.model.named_parameters())
         own.update(dict(self.model.named_buffers()))
         for name, tensor in iter_named(named_tensors):
             if name not in own:

@@ -19,9 +19,13 @@ import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from peft import LoraConfig
 
 HEAD = "lm_head"
 ADAPTER = "default"  # peft's adapter name
@@ -37,12 +41,13 @@ def lora_enabled(mcfg) -> bool:
     return mcfg is not None and int(getattr(mcfg, "lora_rank", 0) or 0) > 0
 
 
-def lora_config(mcfg):
+def lora_config(mcfg) -> LoraConfig:
     """peft's LoraConfig of a ``model`` section (the head, if listed, trains in full: not a LoRA target)."""
     from peft import LoraConfig
 
     targets = [t for t in mcfg.lora_targets if t != HEAD]
-    return LoraConfig(r=int(mcfg.lora_rank), lora_alpha=float(mcfg.lora_alpha),
+    # peft annotates lora_alpha int but computes alpha / r: a fractional alpha works
+    return LoraConfig(r=int(mcfg.lora_rank), lora_alpha=float(mcfg.lora_alpha),  # type: ignore[arg-type]
                       lora_dropout=float(mcfg.lora_dropout), target_modules=targets, bias="none")
 
 
