@@ -160,7 +160,7 @@ def request_outputs_to_batch(outputs, eos_token_ids: Iterable[int]) -> RolloutBa
         if comp.logprobs is None:
             raise RuntimeError(f"vLLM returned no log-probs for request {k} (SamplingParams(logprobs=0) ignored?)")
         row = []
-        for pos, (tok, d) in enumerate(zip(toks, comp.logprobs, strict=True)):
+        for pos, (tok, d) in enumerate(zip(toks, comp.logprobs, strict=False)):  # a short row: refused below
             if tok not in d:
                 raise RuntimeError(f"vLLM log-probs of request {k} lack the sampled token {tok} at position {pos}")
             row.append(float(d[tok].logprob))
