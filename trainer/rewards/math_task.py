@@ -30,6 +30,7 @@ import time
 import warnings
 from fractions import Fraction
 from multiprocessing.connection import wait
+from typing import Any
 
 import numpy as np
 
@@ -186,8 +187,8 @@ class _Worker:
     """One math-verify process: ``state`` is "dead", "starting", "idle" or "busy" (with ``job``)."""
 
     def __init__(self) -> None:
-        self.proc = None
-        self.conn = None
+        self.proc: Any = None  # the context's Process once started (its class depends on the start method)
+        self.conn: Any = None  # its end of the Pipe once started
         self.state = "dead"
         self.job: int | None = None
         self.deadline = 0.0
@@ -290,11 +291,11 @@ class VerifyPool:
                 except (EOFError, OSError) as exc:  # the worker died
                     self.deaths += 1
                     if w.state == "busy":
-                        j = w.job
-                        if tries[j] < 2:
-                            queue.appendleft(j)  # retried once on a fresh worker
+                        assert w.job is not None  # a busy worker has a job
+                        if tries[w.job] < 2:
+                            queue.appendleft(w.job)  # retried once on a fresh worker
                         else:
-                            results[j] = None
+                            results[w.job] = None
                     else:
                         failed_starts += 1
                         if failed_starts > 3 * len(self.workers):
@@ -304,12 +305,14 @@ class VerifyPool:
                 if w.state == "starting":
                     w.state = "idle"
                 else:
+                    assert w.job is not None  # a busy worker has a job
                     results[w.job] = bool(msg)
                     w.state, w.job = "idle", None
             now = time.monotonic()
             for w in live:
                 if w.state in ("starting", "busy") and now >= w.deadline:
                     if w.state == "busy":
+                        assert w.job is not None  # a busy worker has a job
                         self.timeouts += 1
                         results[w.job] = None
                     else:
@@ -357,10 +360,10 @@ class RewardFn:
             raise ValueError(f"check_batch: {len(responses)} responses but {len(truths)} ground truths")
         out: list[bool] = [False] * len(responses)
         pending: list[int] = []
-        answers: list[str | None] = []
+        answers: list[str] = []  # "" where there is none (never checked)
         for i, (resp, truth) in enumerate(zip(responses, truths, strict=True)):
             answer = extract_boxed(resp)
-            answers.append(answer)
+            answers.append(answer or "")
             if not answer or len(answer) > MAX_ANSWER_CHARS:
                 continue
             verdict = quick_verdict(answer, str(truth))
