@@ -28,8 +28,8 @@ import platform
 import re
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -227,7 +227,7 @@ class PeakMemory:
     peak_bytes: int | None = None
     method: str = ""
 
-    def __enter__(self) -> "PeakMemory":
+    def __enter__(self) -> PeakMemory:
         free_memory(self.device)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)

@@ -66,7 +66,7 @@ def cuda_backend_reason(check_interpret: bool = True) -> str | None:
         import triton  # noqa: F401
         from triton.backends.compiler import GPUTarget  # noqa: F401
         from triton.compiler import ASTSource  # noqa: F401
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - any import failure is the reason, reported
         return f"triton's CUDA backend not importable: {exc}"
     if check_interpret and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return "TRITON_INTERPRET is set: @triton.jit gives interpreter functions (unset it to compile)"

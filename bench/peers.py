@@ -36,9 +36,9 @@ import importlib.util
 import os
 import sys
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 

@@ -104,18 +104,19 @@ def policy_logprobs(lm, prompts, responses):
     from fastcov.trainer.runtime.model import PolicyModel
 
     dev = next(lm.parameters()).device
-    seqs = [list(p) + list(r) for p, r in zip(prompts, responses)]
+    seqs = [list(p) + list(r) for p, r in zip(prompts, responses, strict=True)]
     width = max(len(s) for s in seqs)
     ids = torch.zeros(len(seqs), width, dtype=torch.long, device=dev)
     mask = torch.zeros_like(ids)
     labels = torch.full_like(ids, -100)
-    for i, (p, r) in enumerate(zip(prompts, responses)):
+    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
         s = seqs[i]
         ids[i, : len(s)] = torch.tensor(s)
         mask[i, : len(s)] = 1
         labels[i, len(p) - 1 : len(s) - 1] = torch.tensor(list(r))  # position t predicts token t+1
     out = PolicyModel(lm)(ids, mask, labels, temperature=1.0, entropy=False)
-    return [out.logprob[i, len(p) - 1 : len(p) - 1 + len(r)] for i, (p, r) in enumerate(zip(prompts, responses))]
+    return [out.logprob[i, len(p) - 1 : len(p) - 1 + len(r)]
+            for i, (p, r) in enumerate(zip(prompts, responses, strict=True))]
 
 
 def vllm_score(engine, prompts, responses):
@@ -130,12 +131,13 @@ def vllm_score(engine, prompts, responses):
     try:
         kw = sampling_kwargs(SamplingParams(1.0, 1.0, 1), [], None)
         params = engine.vllm.SamplingParams(**{**kw, "prompt_logprobs": 0})
-        outs = engine.llm.generate([{"prompt_token_ids": list(p) + list(r)} for p, r in zip(prompts, responses)],
+        outs = engine.llm.generate([{"prompt_token_ids": list(p) + list(r)}
+                                    for p, r in zip(prompts, responses, strict=True)],
                                    params, use_tqdm=False)
     finally:
         engine._sleep()
     res = []
-    for o, p, r in zip(outs, prompts, responses):
+    for o, p, r in zip(outs, prompts, responses, strict=True):
         pl = o.prompt_logprobs  # position j: {token_j: Logprob} (None at 0)
         res.append([float(pl[len(p) + k][tok].logprob) for k, tok in enumerate(r)])
     return res
@@ -145,7 +147,7 @@ def diff_stats(a, b) -> dict:
     import torch
 
     d = torch.cat([(torch.as_tensor(x, dtype=torch.float64) - torch.as_tensor(y, dtype=torch.float64).cpu()).abs()
-                   for x, y in zip(a, b)])
+                   for x, y in zip(a, b, strict=True)])
     return {"max": float(d.max()), "mean": float(d.mean()), "n": int(d.numel())}
 
 
@@ -272,9 +274,9 @@ def check_after_step(s: Smoke, prompts, b1, pol32) -> None:
         pol_new16 = policy_logprobs(bf16_copy(s.lm), prompts, b1.token_ids)
     s.res["sync2_s"] = s.sync()
     v_new = vllm_score(s.eng, prompts, b1.token_ids)
-    d_pol = torch.cat([a.cpu().double() - b.cpu().double() for a, b in zip(pol_new32, pol32)])
+    d_pol = torch.cat([a.cpu().double() - b.cpu().double() for a, b in zip(pol_new32, pol32, strict=True)])
     d_vllm = torch.cat([torch.tensor(a, dtype=torch.float64) - torch.tensor(b, dtype=torch.float64)
-                        for a, b in zip(v_new, b1.logprobs)])
+                        for a, b in zip(v_new, b1.logprobs, strict=True)])
     corr = float(torch.corrcoef(torch.stack([d_pol, d_vllm]))[0, 1])
     s.res["after_step"] = {"policy_mean_change": float(d_pol.mean()), "vllm_mean_change": float(d_vllm.mean()),
                            "corr_of_changes": corr, "vs_new_bf16_policy": diff_stats(v_new, pol_new16),

@@ -247,7 +247,7 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args(argv)
-    import deepspeed  # noqa: F401 - recorded below; fail early when absent
+    import deepspeed
     import torch
 
     from bench._measure import cpu_count, cpu_model

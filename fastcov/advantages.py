@@ -13,7 +13,7 @@ RLOO the raw reward.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

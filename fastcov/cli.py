@@ -17,7 +17,7 @@ import importlib
 import os
 import sys
 
-from fastcov.errors import UsageError, UserError, one_line  # noqa: F401 - re-exported
+from fastcov.errors import UsageError, UserError, one_line
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -36,7 +36,7 @@ def debug_enabled() -> bool:
 class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line naming the argument (and --help), not usage + error."""
 
-    def error(self, message: str):  # noqa: D401 - argparse's hook
+    def error(self, message: str):
         raise UsageError(f"{message} (see {self.prog} --help)")
 
 

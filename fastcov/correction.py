@@ -243,7 +243,7 @@ def _parse_thresholds(thresholds, criteria: list[str]) -> list[tuple[float | Non
             f"thresholds: give one for all criteria or one per criterion ({len(criteria)}), got {len(specs)}"
         )
     bounds: list[tuple[float | None, float]] = []
-    for c, spec in zip(criteria, specs):
+    for c, spec in zip(criteria, specs, strict=True):
         parts = spec.split("_")
         try:
             numbers = [float(p) for p in parts]
@@ -288,7 +288,7 @@ def rollout_rejection(
         has_tokens = valid.any(-1)
         keep = valid.clone()
         metrics: dict[str, torch.Tensor] = {}
-        for name, (lo, hi) in zip(names, bounds):
+        for name, (lo, hi) in zip(names, bounds, strict=True):
             level, estimator = name.rsplit("_", 1)
             stat = divergence(log_ratio, estimator)
             seq_stat = None

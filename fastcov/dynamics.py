@@ -44,8 +44,9 @@ import argparse
 import dataclasses
 import math
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -166,6 +167,7 @@ def predicted_entropy_change(logits: torch.Tensor, delta_logits: torch.Tensor | 
         return -logprob_covariance(logits, delta_logits)
     if lr is None:
         raise ValueError("lr is required with advantages")
+    assert advantages is not None  # exactly one of delta_logits or advantages
     return -logprob_covariance(logits, policy_gradient_step(logits, advantages, lr, update=update))
 
 
@@ -214,7 +216,7 @@ class TabularProblem:
 
     @classmethod
     def random(cls, n_prompts: int = 64, n_answers: int = 64, *, max_correct: int = 24,
-               logit_scale: float = 1.0, correct_shift: float = -1.0, seed: int = 0) -> "TabularProblem":
+               logit_scale: float = 1.0, correct_shift: float = -1.0, seed: int = 0) -> TabularProblem:
         """A random problem, deterministic given ``seed``.
 
         Logits ~ N(0, logit_scale²), plus ``correct_shift`` on the correct answers (negative: the
@@ -390,7 +392,7 @@ def _scalar_metrics(metrics: Any) -> dict[str, float]:
 
 
 def _update(z: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
-            old_logprob: torch.Tensor, adv: torch.Tensor, cfg: "DynamicsConfig", loss_config: Any,
+            old_logprob: torch.Tensor, adv: torch.Tensor, cfg: DynamicsConfig, loss_config: Any,
             loss_fn: Callable[..., Any], sel_gen: torch.Generator) -> tuple[torch.Tensor, Any]:
     """One optimizer update of the logits z [P, K] on the tokens ``idx`` (int64 [M]) of the batch."""
     P, K = z.shape

@@ -45,8 +45,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -114,7 +115,7 @@ class EntropyController:
     """
 
     def __init__(self, target: float, knob: str, init: float, *, rule: str = "step", delta: float | None = None,
-                 gain: float = 0.5, min: float | None = None, max: float | None = None,  # noqa: A002 - config names
+                 gain: float = 0.5, min: float | None = None, max: float | None = None,
                  gate: bool = False, inclusive: bool = False) -> None:
         if knob not in KNOBS:
             raise ValueError(f"knob must be one of {', '.join(KNOBS)}, got {knob!r}")
@@ -156,7 +157,7 @@ class EntropyController:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_config(cls, config: Mapping[str, Any], init: float | None = None) -> "EntropyController":
+    def from_config(cls, config: Mapping[str, Any], init: float | None = None) -> EntropyController:
         """Build from a mapping with the keys of ``algo.entropy_control`` (``target``, ``knob``, ``rule``,
         ``init``, ``delta``, ``gain``, ``min``, ``max``, ``gate``, ``inclusive``); ``init`` is used when the
         mapping has none (or None). Unknown keys raise ValueError naming them."""

@@ -26,8 +26,8 @@ the loss multiplied by the world size, as verl does with ``dp_size``.)
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable
 
 import torch
 
@@ -168,7 +168,7 @@ class Selection:
     high_entropy: torch.Tensor | None = None
     reference: torch.Tensor | None = None
 
-    def rows(self, index) -> "Selection":
+    def rows(self, index) -> Selection:
         """The selection of a micro-batch: rows ``index`` (slice, int tensor or bool tensor) of each mask."""
         return Selection(*(None if x is None else x[index] for x in (self.cov, self.high_entropy, self.reference)))
 
@@ -449,8 +449,9 @@ def _check_selection_mask(name: str, tensor, logprob: torch.Tensor) -> None:
 def _selection_scores(mode, logprob, advantages, valid, config, vocab_cov, group, generator, impl):
     """(scores, keys) for a mode's selector; logprob and advantages are detached and sanitized."""
     if config.cov_score == "random":
-        seed = draw_seed(generator, logprob.device, group)
-        _, keys = token_covariance_and_keys(logprob, advantages, valid, seed=seed, group=group, impl=impl)
+        random_seed = draw_seed(generator, logprob.device, group)
+        _, keys = token_covariance_and_keys(logprob, advantages, valid, seed=random_seed, group=group, impl=impl)
+        assert keys is not None  # a seed gives keys
         # 53 random bits of the key -> u in (0, 1), strictly inside the band (lb, ub)
         u = ((keys & ((1 << 53) - 1)).to(torch.float64) + 0.5) / float(1 << 53)
         lo, hi = config.clip_cov_lb, config.clip_cov_ub
@@ -466,7 +467,8 @@ def _selection_scores(mode, logprob, advantages, valid, config, vocab_cov, group
     return token_covariance_and_keys(logprob, advantages, valid, seed=seed, group=group, impl=impl)
 
 
-def _select_tokens(mode, logprob, old_logprob, advantages, valid, config, entropy, vocab_cov, group, generator, impl):
+def _select_tokens(mode, logprob, old_logprob, advantages, valid, config, entropy, vocab_cov, group, generator,
+                   impl) -> tuple[Selection, torch.Tensor | None]:
     """(Selection, scores or None) over this call's tokens and, with ``group``, all its ranks."""
     scores = cov_selected = reference = None
     if mode.selector is not None:
@@ -579,7 +581,7 @@ def policy_loss(
     global_tokens=None,
     global_seqs=None,
     generator: torch.Generator | None = None,
-    selection: "Selection | torch.Tensor | None" = None,
+    selection: Selection | torch.Tensor | None = None,
     impl: str = "auto",
     weights: torch.Tensor | None = None,
     segments: torch.Tensor | None = None,
@@ -698,6 +700,7 @@ def policy_loss(
                      segments=segments)
     loss = aggregate_loss(token_loss, valid, agg, **aggregate)
     if config.entropy_coef != 0.0:
+        assert entropy is not None  # checked on entry
         loss = loss - config.entropy_coef * aggregate_loss(entropy, valid, agg, **aggregate)
 
     metrics = _metrics(

@@ -188,14 +188,14 @@ def calibration_bins(confidence, outcome, bins: int = 10) -> list[CalibrationBin
         raise ValueError(f"bins must be >= 1, got {bins}")
     conf, out = _check_pairs(confidence, outcome)
     sums = [[0, 0.0, 0.0] for _ in range(bins)]
-    for c, o in zip(conf, out):
+    for c, o in zip(conf, out, strict=True):
         b = min(bins - 1, int(c * bins))
         sums[b][0] += 1
         sums[b][1] += c
         sums[b][2] += o
     res = []
     for b, (cnt, cs, os_) in enumerate(sums):
-        res.append(CalibrationBin(b / bins, (b + 1) / bins, cnt, cs / cnt if cnt else math.nan,
+        res.append(CalibrationBin(b / bins, (b + 1) / bins, int(cnt), cs / cnt if cnt else math.nan,
                                   os_ / cnt if cnt else math.nan))
     return res
 
@@ -212,7 +212,7 @@ def expected_calibration_error(confidence, outcome, bins: int = 10) -> float:
 def brier_score(confidence, outcome) -> float:
     """mean (confidence − outcome)² (0 for no samples)."""
     conf, out = _check_pairs(confidence, outcome)
-    return sum((c - o) ** 2 for c, o in zip(conf, out)) / len(conf) if conf else 0.0
+    return sum((c - o) ** 2 for c, o in zip(conf, out, strict=True)) / len(conf) if conf else 0.0
 
 
 def reliability_plot(curves: dict[str, list[CalibrationBin]], path, title: str = "Reliability") -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 import math
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 
@@ -26,11 +26,11 @@ class LogprobEntropy(NamedTuple):
     """
 
     logprob: torch.Tensor
-    entropy: Optional[torch.Tensor]
+    entropy: torch.Tensor | None
     logsumexp: torch.Tensor
-    vocab_cov: Optional[torch.Tensor]
-    topk_logprob: Optional[torch.Tensor]
-    topk_index: Optional[torch.Tensor]
+    vocab_cov: torch.Tensor | None
+    topk_logprob: torch.Tensor | None
+    topk_index: torch.Tensor | None
 
 
 def _check_scalar_args(temperature, topk, vocab_size, impl=None):
@@ -135,14 +135,14 @@ def linear_logprob_entropy(
     weight: torch.Tensor,
     labels: torch.Tensor,
     *,
-    bias: Optional[torch.Tensor] = None,
+    bias: torch.Tensor | None = None,
     temperature: float = 1.0,
     ignore_index: int = -100,
     entropy: bool = True,
     vocab_cov: bool = False,
     topk: int = 0,
     impl: str = "auto",
-    workspace_mb: Optional[float] = None,
+    workspace_mb: float | None = None,
 ) -> LogprobEntropy:
     """Log-prob of the label, entropy (and optionally κ and top-k) of softmax((hidden·Wᵀ + b)/T).
 

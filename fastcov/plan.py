@@ -62,7 +62,7 @@ class ModelShape:
         return self.num_layers * sum(a * b for a, b in self.projections().values())
 
     @classmethod
-    def from_hf_config(cls, config: dict, name: str = "custom") -> "ModelShape":
+    def from_hf_config(cls, config: dict, name: str = "custom") -> ModelShape:
         """From a Hugging Face config.json dict (Qwen2, Llama, Mistral keys)."""
         try:
             return cls(

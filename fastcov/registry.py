@@ -12,7 +12,8 @@ user registers (in a module listed under ``trainer.imports``) works from YAML li
 
 from __future__ import annotations
 
-from typing import Callable, Generic, Iterator, TypeVar
+from collections.abc import Callable, Iterator
+from typing import Generic, TypeVar
 
 T = TypeVar("T")
 

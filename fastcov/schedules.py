@@ -44,7 +44,8 @@ Use
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from fastcov.entropy_control import EntropyController
 
@@ -192,7 +193,7 @@ class PositiveWeightSchedule:
         return out
 
     @classmethod
-    def from_config(cls, config: Mapping[str, Any] | None) -> "PositiveWeightSchedule":
+    def from_config(cls, config: Mapping[str, Any] | None) -> PositiveWeightSchedule:
         """Build from a plain mapping (e.g. a YAML section).
 
         ``{"kind": "entropy", "init": 0.0, "threshold": 0.2, "step_size": 0.05}``,

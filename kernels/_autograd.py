@@ -7,6 +7,9 @@ O(N) statistics, the backward recomputes the logits tiles.
 
 from __future__ import annotations
 
+from types import ModuleType
+from typing import Any
+
 import torch
 
 from fastcov.kernels._stats import finalize
@@ -18,8 +21,9 @@ class LinearLogprobEntropyFunction(torch.autograd.Function):
     topk indices [N, k]; all fp32 except indices (int64). Gradients flow through logprob and entropy."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, temperature, ignore_index, want_cov, topk, backend,
-                workspace=None):
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                labels: torch.Tensor, temperature: float, ignore_index: int, want_cov: bool, topk: int,
+                backend: ModuleType, workspace: int | None = None) -> tuple[torch.Tensor, ...]:
         stats, (top_z, top_index) = backend.stats_forward(hidden, weight, bias, labels, temperature, topk,
                                                           want_cov=want_cov, workspace=workspace)
         valid = labels != ignore_index
@@ -39,7 +43,8 @@ class LinearLogprobEntropyFunction(torch.autograd.Function):
         return logprob, entropy, logsumexp, vocab_cov, top_logprob, top_index
 
     @staticmethod
-    def backward(ctx, g_logprob, g_entropy, *_):
+    def backward(ctx: Any, g_logprob: torch.Tensor | None, g_entropy: torch.Tensor | None,
+                 *_: Any) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, bias, labels, logsumexp, entropy, valid = ctx.saved_tensors
         zero = torch.zeros_like(logsumexp)
         g = zero if g_logprob is None else torch.where(valid, g_logprob.float(), zero)
@@ -62,7 +67,9 @@ class VocabParallelLogprobEntropyFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, temperature, ignore_index, group, backend, workspace=None):
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float,
+                ignore_index: int, group: Any, backend: ModuleType,
+                workspace: int | None = None) -> tuple[torch.Tensor, ...]:
         import torch.distributed as dist
 
         from fastcov.kernels._stats import combine_partials
@@ -82,7 +89,8 @@ class VocabParallelLogprobEntropyFunction(torch.autograd.Function):
         return logprob, entropy, logsumexp
 
     @staticmethod
-    def backward(ctx, g_logprob, g_entropy, _):
+    def backward(ctx: Any, g_logprob: torch.Tensor | None, g_entropy: torch.Tensor | None,
+                 _: Any) -> tuple[torch.Tensor | None, ...]:
         import torch.distributed as dist
 
         hidden, weight, local_labels, logsumexp, entropy, valid = ctx.saved_tensors

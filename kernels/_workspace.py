@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
@@ -40,7 +40,7 @@ def check_workspace_mb(value, name: str = "workspace_mb") -> float:
     return float(value)
 
 
-def workspace_bytes(workspace_mb: Optional[float] = None) -> int:
+def workspace_bytes(workspace_mb: float | None = None) -> int:
     """The backward's workspace budget in bytes: the argument, else $FASTCOV_WORKSPACE_MB, else 256 MiB."""
     if workspace_mb is None:
         raw = os.environ.get(WORKSPACE_ENV, "").strip()
@@ -67,7 +67,7 @@ def chunk_rows(n: int, v: int, itemsize: int, budget: int, has_bias: bool = Fals
 FillDz = Callable[[int, int, torch.Tensor], None]
 
 
-def gemm_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], fill_dz: FillDz,
+def gemm_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fill_dz: FillDz,
                   rows: int, need_dh: bool = True, need_dw: bool = True):
     """(dh [N, D] | None, dW [V, D] | None, db [V] | None) in the inputs' dtypes.
 
@@ -78,7 +78,7 @@ def gemm_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
     v = weight.shape[0]
     dh = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_dh else None
     dw = torch.empty_like(weight, memory_format=torch.contiguous_format) if need_dw else None
-    if need_dw and n == 0:
+    if dw is not None and n == 0:
         dw.zero_()
     db = torch.zeros(v, dtype=torch.float32, device=hidden.device) if bias is not None else None
     dz_buffer = torch.empty(min(rows, max(n, 1)), v, dtype=hidden.dtype, device=hidden.device)
@@ -86,13 +86,13 @@ def gemm_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
         r1 = min(n, r0 + rows)
         dz = dz_buffer[: r1 - r0]
         fill_dz(r0, r1, dz)
-        if need_dh:
+        if dh is not None:
             torch.mm(dz, weight, out=dh[r0:r1])
-        if need_dw:
+        if dw is not None:
             if i == 0:
                 torch.mm(dz.T, hidden[r0:r1], out=dw)
             else:
                 dw.addmm_(dz.T, hidden[r0:r1])
         if db is not None:
             db += dz.sum(0, dtype=torch.float32)
-    return dh, dw, None if db is None else db.to(bias.dtype)
+    return dh, dw, None if db is None or bias is None else db.to(bias.dtype)

@@ -15,8 +15,8 @@ every config the autotuner may pick for that dtype).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from fastcov.kernels import covariance as _cov
 from fastcov.kernels import linear_logprob_entropy as _lle
@@ -86,7 +86,7 @@ def _space(space_of) -> Callable[[str, dict, int], list]:
 
 def _switch_grid(**axes) -> tuple:
     keys = list(axes)
-    return tuple(dict(zip(keys, values)) for values in itertools.product(*(axes[k] for k in keys)))
+    return tuple(dict(zip(keys, values, strict=True)) for values in itertools.product(*(axes[k] for k in keys)))
 
 
 def _forward_switches() -> tuple:

@@ -175,7 +175,7 @@ def covariance_and_keys_triton(
     dtype = compute_dtype(advantages, logprob)
     cov = torch.empty(n, dtype=dtype, device=device)
     with_keys = seed is not None
-    if with_keys:
+    if seed is not None:
         keys = torch.empty(n, dtype=torch.int64, device=device)
         seed_buf = seed.reshape(1).to(torch.int64)
         if index_offset is None:

@@ -379,7 +379,9 @@ def _default_splits(n: int, v: int, device: torch.device) -> int:
     return max(1, min(triton.cdiv(4 * sms, row_blocks), triton.cdiv(v, 8 * 128)))
 
 
-def stats_forward(hidden, weight, bias, labels, temperature, topk, want_cov=True, workspace=None, splits=None):
+def stats_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
+                  temperature: float, topk: int, want_cov: bool = True, workspace: int | None = None,
+                  splits: int | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor | None, torch.Tensor | None]]:
     """Same contract as the twin's ``stats_forward``: ([6, N] fp32 stats, (topk logits, topk indices)).
     s2 and u2 are zero unless ``want_cov``. ``workspace`` is accepted for symmetry (the forward's
     extra memory is O(N·splits))."""
@@ -411,8 +413,10 @@ def stats_forward(hidden, weight, bias, labels, temperature, topk, want_cov=True
     return stats, (top_values, torch.gather(indices, 1, pos))
 
 
-def grad_backward(hidden, weight, bias, labels, temperature, logsumexp, entropy, g, e, workspace=None,
-                  need_dh=True, need_dw=True):
+def grad_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
+                  temperature: float, logsumexp: torch.Tensor, entropy: torch.Tensor, g: torch.Tensor,
+                  e: torch.Tensor, workspace: int | None = None, need_dh: bool = True,
+                  need_dw: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Same contract as the twin's ``grad_backward``: (dh, dW, db) in the input dtypes.
 
     Workspace: one dZ buffer of R·V input-dtype elements, R = ``chunk_rows`` of the budget
@@ -438,7 +442,7 @@ def grad_backward(hidden, weight, bias, labels, temperature, logsumexp, entropy,
             grid = (triton.cdiv(m, tiles["BLOCK_N"]) * triton.cdiv(v, tiles["BLOCK_V"]),)
             _dz_kernel[grid](*args, **meta, **tiles)
         else:
-            grid = lambda cfg: (triton.cdiv(m, cfg["BLOCK_N"]) * triton.cdiv(v, cfg["BLOCK_V"]),)  # noqa: E731
-            _dz_tuned[grid](*args, **meta)
+            tuned_grid = lambda cfg: (triton.cdiv(m, cfg["BLOCK_N"]) * triton.cdiv(v, cfg["BLOCK_V"]),)  # noqa: E731
+            _dz_tuned[tuned_grid](*args, **meta)
 
     return gemm_backward(hidden, weight, bias, fill_dz, rows, need_dh, need_dw)

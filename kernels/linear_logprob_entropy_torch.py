@@ -13,8 +13,6 @@ slab of W in fp32), so its peak stays within the same budget.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from fastcov.kernels._stats import combine_partials, dz_from_upstream
@@ -47,7 +45,7 @@ def _tempered_logits(h, w, b, inv_temp):
 
 
 def stats_forward(hidden, weight, bias, labels, temperature, topk, want_cov=True, workspace=None,
-                  chunk_elements: Optional[int] = None, max_chunk_v: int = MAX_CHUNK_V):
+                  chunk_elements: int | None = None, max_chunk_v: int = MAX_CHUNK_V):
     """Streaming statistics over the vocabulary.
 
     hidden [N, D], weight [V, D], bias [V] or None, labels [N] int64. Returns the combined stats
@@ -102,8 +100,9 @@ def stats_forward(hidden, weight, bias, labels, temperature, topk, want_cov=True
             if topk and sum(t.shape[1] for t in cand_v) > 4 * topk:
                 tv, pos = torch.topk(torch.cat(cand_v, 1), topk, dim=1)
                 cand_v, cand_i = [tv], [torch.gather(torch.cat(cand_i, 1), 1, pos)]
+        assert running is not None  # v >= 1: one vocabulary chunk at least
         stats[:, rows] = running
-        if topk:
+        if top_values is not None and top_indices is not None:  # topk
             tv, pos = torch.topk(torch.cat(cand_v, 1), topk, dim=1)
             top_values[rows] = tv
             top_indices[rows] = torch.gather(torch.cat(cand_i, 1), 1, pos)
@@ -120,8 +119,10 @@ def backward_chunks(n: int, v: int, d: int, itemsize: int, budget: int, has_bias
     return rows, max(1, min(v, cols))
 
 
-def grad_backward(hidden, weight, bias, labels, temperature, logsumexp, entropy, g, e, workspace=None,
-                  need_dh=True, need_dw=True):
+def grad_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
+                  temperature: float, logsumexp: torch.Tensor, entropy: torch.Tensor, g: torch.Tensor,
+                  e: torch.Tensor, workspace: int | None = None, need_dh: bool = True,
+                  need_dw: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of Σ g·logprob + e·entropy w.r.t. hidden, weight and bias, in their dtypes
     (None for bias when bias is None, and for what ``need_dh``/``need_dw`` turn off).
 

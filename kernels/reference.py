@@ -8,7 +8,9 @@ from __future__ import annotations
 import torch
 
 
-def reference_logprob_entropy(hidden, weight, labels, bias=None, temperature=1.0, ignore_index=-100):
+def reference_logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                              bias: torch.Tensor | None = None, temperature: float = 1.0,
+                              ignore_index: int = -100) -> dict[str, torch.Tensor]:
     """Float64 outputs of docs/design.md §3 from the full logits, differentiable w.r.t. the (float64) inputs.
 
     hidden [N, D], weight [V, D], bias [V] or None, labels [N] int64. Returns a dict of [N] float64

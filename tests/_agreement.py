@@ -31,12 +31,12 @@ def greedy_agreement(tokens: Sequence[Sequence[int]], ref_tokens: Sequence[Seque
         raise ValueError(f"tokens, ref_tokens and ref_margins must have one entry per prompt: {len(tokens)}, "
                          f"{len(ref_tokens)}, {len(ref_margins)}")
     out = {"equal": 0, "near_tie": 0, "differ": 0, "details": []}
-    for i, (got, ref, margins) in enumerate(zip(tokens, ref_tokens, ref_margins)):
+    for i, (got, ref, margins) in enumerate(zip(tokens, ref_tokens, ref_margins, strict=True)):
         got, ref = list(got), list(ref)
         if got == ref:
             out["equal"] += 1
             continue
-        step = next((t for t, (a, b) in enumerate(zip(got, ref)) if a != b), min(len(got), len(ref)))
+        step = next((t for t, (a, b) in enumerate(zip(got, ref, strict=False)) if a != b), min(len(got), len(ref)))
         margin = float(margins[step]) if step < len(margins) else float("inf")
         kind = "near_tie" if margin < eps else "differ"
         out[kind] += 1

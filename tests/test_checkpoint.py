@@ -13,14 +13,14 @@ import torch
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from fastcov.trainer.runtime.checkpoint import (  # noqa: E402
+from fastcov.trainer.runtime.checkpoint import (
     CheckpointError,
     latest_checkpoint,
     list_checkpoints,
     rng_state,
     set_rng_state,
 )
-from fastcov.trainer.runtime.run_dir import move_aside, trim_metrics  # noqa: E402
+from fastcov.trainer.runtime.run_dir import move_aside, trim_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "tiny.yaml"

@@ -72,6 +72,7 @@ def test_deepspeeds_deprecated_collective_names_do_not_flood_the_log():
         init_distributed(torch.device("cpu"))  # the filter goes in front of the ones this block set
         for name in ("reduce_scatter_tensor", "all_gather_into_tensor"):
             warnings.warn(f"`torch.distributed.{name}` is deprecated. Please use `torch.distributed."
-                          f"{name.replace('_tensor', '_single').replace('_into', '')}` instead.", FutureWarning)
-        warnings.warn("`torch.distributed.something_else` is deprecated.", FutureWarning)
+                          f"{name.replace('_tensor', '_single').replace('_into', '')}` instead.", FutureWarning,
+                          stacklevel=2)
+        warnings.warn("`torch.distributed.something_else` is deprecated.", FutureWarning, stacklevel=2)
     assert [str(w.message) for w in seen] == ["`torch.distributed.something_else` is deprecated."]

@@ -80,7 +80,7 @@ def _check_first_order(z, step_fn, predict_fn, etas=(1e-1, 1e-2, 1e-3, 1e-4)):
     gaps = np.array(gaps)
     slope = np.polyfit(np.log(etas), np.log(gaps), 1)[0]
     assert 0.9 < slope < 1.1, (gaps, slope)  # the gap is O(η): relative error shrinks linearly
-    for a, b in zip(gaps[:-1], gaps[1:]):
+    for a, b in zip(gaps[:-1], gaps[1:], strict=True):
         assert 8.0 < a / b < 12.5, gaps  # η → η/10 divides the gap by ~10
     assert gaps[1] < 0.05 and gaps[2] <= 0.01 and gaps[3] <= 1e-3, gaps
     return gaps

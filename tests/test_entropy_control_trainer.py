@@ -14,11 +14,11 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")
 
-from fastcov.trainer import entropy_control  # noqa: E402
-from fastcov.trainer import train as train_mod  # noqa: E402
-from fastcov.trainer.config import ConfigError, load_config  # noqa: E402
-from fastcov.trainer.runtime.batch import Sequence  # noqa: E402
-from fastcov.trainer.runtime.run_dir import read_metrics  # noqa: E402
+from fastcov.trainer import entropy_control
+from fastcov.trainer import train as train_mod
+from fastcov.trainer.config import ConfigError, load_config
+from fastcov.trainer.runtime.batch import Sequence
+from fastcov.trainer.runtime.run_dir import read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -93,10 +93,10 @@ def test_shape_advantages_on_sequences():
     before = [list(s.token_advantages) if s.token_advantages else [s.advantage] * len(s.response) for s in seqs]
     sums = entropy_control.shape_advantages(seqs, cfg.algo)
     total = 0.0
-    for s, adv in zip(seqs, before):
-        want = [a + min(0.3 * h, abs(a) / 2.0) for a, h in zip(adv, s.old_entropy)]
+    for s, adv in zip(seqs, before, strict=True):
+        want = [a + min(0.3 * h, abs(a) / 2.0) for a, h in zip(adv, s.old_entropy, strict=True)]
         assert s.token_advantages == pytest.approx(want, rel=1e-6, abs=1e-7)
-        total += sum(w - a for w, a in zip(want, adv))
+        total += sum(w - a for w, a in zip(want, adv, strict=True))
     n = sum(len(s.response) for s in seqs)
     assert sums["entropy_advantage/bonus"] == pytest.approx(total / n, rel=1e-5)
 
@@ -195,7 +195,7 @@ def test_controller_on_two_ranks_follows_one_process(tmp_path):
         rows[world] = read_metrics(out / "run" / "metrics.jsonl")
     one, two = rows[1], rows[2]
     assert [r["step"] for r in one] == [r["step"] for r in two] == [1, 2, 3]
-    for a, b in zip(one, two):
+    for a, b in zip(one, two, strict=True):
         for key in ("entropy", "entropy_control/value", "entropy_control/error"):
             assert math.isclose(a[key], b[key], rel_tol=1e-6), (a["step"], key, a[key], b[key])
     values = [r["entropy_control/value"] for r in one]

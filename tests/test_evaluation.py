@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("deepspeed")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from fastcov.metrics import (  # noqa: E402
+from fastcov.metrics import (
     brier_score,
     distinct_answers,
     distinct_n,
@@ -20,11 +20,11 @@ from fastcov.metrics import (  # noqa: E402
     pass_at_k_table,
     sequence_confidence,
 )
-from fastcov.trainer import evaluation  # noqa: E402
-from fastcov.trainer import train as train_mod  # noqa: E402
-from fastcov.trainer.config import Config  # noqa: E402
-from fastcov.trainer.rewards import extract_boxed  # noqa: E402
-from fastcov.trainer.rollout import RolloutBatch  # noqa: E402
+from fastcov.trainer import evaluation
+from fastcov.trainer import train as train_mod
+from fastcov.trainer.config import Config
+from fastcov.trainer.rewards import extract_boxed
+from fastcov.trainer.rollout import RolloutBatch
 
 
 class FakeRollout:
@@ -57,7 +57,7 @@ class FakeReward:
         return extract_boxed(text)
 
     def check_batch(self, texts, truths):
-        return [t == f"\\boxed{{{g}}}" for t, g in zip(texts, truths)]
+        return [t == f"\\boxed{{{g}}}" for t, g in zip(texts, truths, strict=True)]
 
 
 def test_evaluate_matches_the_metric_functions():

@@ -156,7 +156,7 @@ def build_tiny(model_type: str, extra: dict | None = None):
         warnings.simplefilter("ignore")
         try:
             return _build(model_type, dict(extra or {}))
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - any config rejection: retried once with more key/value heads
             # multi-head latent attention and similar need as many key/value heads as query heads
             return _build(model_type, {"num_key_value_heads": 4, **(extra or {})})
 
@@ -200,7 +200,7 @@ def _build_or_skip(model_type, extra=None):
         pytest.skip(f"{CAUSAL_LM[model_type]}: {SLOW_TO_FAIL[model_type]}")
     try:
         return build_tiny(model_type, extra)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - the build's error is the reason to skip
         pytest.skip(f"{CAUSAL_LM[model_type]} does not build tiny on CPU: {type(exc).__name__}: "
                     f"{str(exc).splitlines()[0][:160]}")
 

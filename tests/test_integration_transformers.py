@@ -52,7 +52,7 @@ def test_patched_forward_matches_model_logits(kind, temperature):
     torch.testing.assert_close(out.entropy[:, 1:].double(), ref_ent, atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(out.loss.double(), -ref_logp.sum() / valid.sum(), atol=1e-5, rtol=1e-5)
     ((out.logprob * g).sum() + (out.entropy * e).sum()).backward()
-    for p, ref in zip(model.parameters(), ref_grads):
+    for p, ref in zip(model.parameters(), ref_grads, strict=True):
         torch.testing.assert_close(p.grad, ref, atol=1e-5, rtol=1e-3)
 
     # without labels the model is untouched: logits and generation still work

@@ -107,7 +107,7 @@ def test_fused_logps_and_entropies_match_trl(tmp_path, temperature):
     assert torch.all(logps[valid] < 0) and ref_logps[valid].abs().min() > 0
     torch.testing.assert_close(logps, ref_logps, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=1e-5)
-    for grad, ref in zip(grads, ref_grads):
+    for grad, ref in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(grad, ref, atol=1e-5, rtol=1e-4)
 
 
@@ -156,7 +156,7 @@ def test_one_training_step(tmp_path, mode, scope, extra):
     before = [p.detach().clone() for p in trainer.model.parameters()]
     result = trainer.train()
     assert trainer.state.global_step == 1 and math.isfinite(result.training_loss)
-    changed = [not torch.equal(a, b.detach()) for a, b in zip(before, trainer.model.parameters())]
+    changed = [not torch.equal(a, b.detach()) for a, b in zip(before, trainer.model.parameters(), strict=True)]
     assert any(changed), "no parameter changed"
     logs = next(entry for entry in trainer.state.log_history if "fastcov/selected_frac" in entry)
     for name in ("fastcov/cov_mean", "fastcov/cov_max", "fastcov/clipfrac", "fastcov/ppo_kl", "entropy"):

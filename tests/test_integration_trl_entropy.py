@@ -91,7 +91,7 @@ def test_adaptive_entropy_equals_trl_on_two_processes(tmp_path):
         assert "error" not in res, f"rank {rank}:\n{res['error']}"
         trl, ours = res["trl"], res["fastcov"]
         assert len(trl["coefs"]) == STEPS and len(trl["losses"]) == 2 * STEPS, trl
-        steps = [b - a for a, b in zip([ADAPTIVE["entropy_coef"]] + trl["coefs"], trl["coefs"])]
+        steps = [b - a for a, b in zip([ADAPTIVE["entropy_coef"]] + trl["coefs"], trl["coefs"], strict=False)]
         assert any(s > 0 for s in steps) and any(s < 0 for s in steps), (trl["coefs"], trl["entropies"])
         assert ours["coefs"] == pytest.approx(trl["coefs"], rel=1e-6, abs=0), (rank, ours["coefs"], trl["coefs"])
         assert ours["losses"] == pytest.approx(trl["losses"], rel=1e-6, abs=1e-9), (rank, ours["losses"], trl["losses"])

@@ -128,7 +128,7 @@ def test_plot_and_to_dict(tmp_path):
 def _write_metrics(path, h, r, eval_every=3):
     """One row per step; val_acc only on eval steps (the rows the CLI must skip lack it)."""
     with open(path, "w", encoding="utf-8") as fh:
-        for step, (hi, ri) in enumerate(zip(h, r)):
+        for step, (hi, ri) in enumerate(zip(h, r, strict=True)):
             row = {"step": step, "entropy": float(hi), "reward": float(ri) + 0.1}
             if step % eval_every == 0:
                 row["val_acc"] = float(ri)

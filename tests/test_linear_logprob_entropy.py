@@ -273,7 +273,7 @@ def test_triton_vocab_splits_combine_exactly(splits):
     from fastcov.kernels._stats import finalize
 
     valid = labels != IGNORE
-    for got, want in zip(finalize(stats, valid, 40, True), finalize(ref_stats, valid, 40, True)):
+    for got, want in zip(finalize(stats, valid, 40, True), finalize(ref_stats, valid, 40, True), strict=True):
         torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-4)
     torch.testing.assert_close(top_z, ref_top_z, atol=2e-5, rtol=2e-4)
     assert torch.equal(top_index, ref_top_index)
@@ -556,7 +556,7 @@ def test_twin_logprob_only_backward_skips_the_entropy_term_and_stays_exact():
     ref_leaves = [t.clone().requires_grad_() for t in (hidden, weight)]
     ref = reference_logprob_entropy(ref_leaves[0], ref_leaves[1], labels, None, temperature, -100)
     ref_grads = torch.autograd.grad(ref["logprob"].sum(), ref_leaves)
-    for got, want in zip(grads, ref_grads):
+    for got, want in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-4)
 
 

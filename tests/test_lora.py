@@ -14,11 +14,11 @@ pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from fastcov.trainer import train as train_mod  # noqa: E402
-from fastcov.trainer.config import ConfigError, load_config  # noqa: E402
-from fastcov.trainer.runtime.run_dir import read_metrics  # noqa: E402
-from fastcov.trainer.token_level import advantages as adv_mod  # noqa: E402
-from fastcov.trainer.token_level.prime import AdaptersOffReference, FrozenModel  # noqa: E402
+from fastcov.trainer import train as train_mod
+from fastcov.trainer.config import ConfigError, load_config
+from fastcov.trainer.runtime.run_dir import read_metrics
+from fastcov.trainer.token_level import advantages as adv_mod
+from fastcov.trainer.token_level.prime import AdaptersOffReference, FrozenModel
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "tiny.yaml"

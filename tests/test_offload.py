@@ -7,9 +7,9 @@ import torch
 pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")
 
-from fastcov.trainer import train as train_mod  # noqa: E402
-from fastcov.trainer.config import ConfigError, load_config  # noqa: E402
-from fastcov.trainer.runtime.policy import ds_config  # noqa: E402
+from fastcov.trainer import train as train_mod
+from fastcov.trainer.config import ConfigError, load_config
+from fastcov.trainer.runtime.policy import ds_config
 
 TINY = "configs/tiny.yaml"
 

@@ -15,8 +15,8 @@ import torch
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 pytest.importorskip("transformers")
 
-from fastcov.trainer.config import load_config  # noqa: E402
-from fastcov.trainer.runtime.batch import (  # noqa: E402
+from fastcov.trainer.config import load_config
+from fastcov.trainer.runtime.batch import (
     IGNORE,
     Sequence,
     equalize,
@@ -24,7 +24,7 @@ from fastcov.trainer.runtime.batch import (  # noqa: E402
     pack_rows,
     sequence_tensors,
 )
-from fastcov.trainer.runtime.model import PolicyModel, build_model, load_tokenizer, packed_attention  # noqa: E402
+from fastcov.trainer.runtime.model import PolicyModel, build_model, load_tokenizer, packed_attention
 
 ROOT = Path(__file__).resolve().parent.parent
 CPU = torch.device("cpu")
@@ -163,7 +163,7 @@ def test_token_budget_is_respected(packing, budget):
         assert mb.packed == packing
         if not packing:
             assert [row for row, _, _ in mb.spans] == list(range(rows))  # one sequence per row
-        for si, (row, start, n) in zip(mb.seq_index, mb.spans):
+        for si, (row, start, n) in zip(mb.seq_index, mb.spans, strict=True):
             s = seqs[si]
             assert n == len(s.response)
             assert mb.labels[row, start : start + n].tolist() == s.response

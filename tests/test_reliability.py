@@ -16,7 +16,7 @@ import pytest
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from fastcov.trainer.runtime.run_dir import RunDirBusy, RunDirLock, read_metrics, trim_metrics  # noqa: E402
+from fastcov.trainer.runtime.run_dir import RunDirBusy, RunDirLock, read_metrics, trim_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "tiny.yaml"

@@ -297,7 +297,7 @@ def test_trl_loss_code_matches_the_modes():
                                   config=config, weights=weights)
             ours.backward()
             label = (is_mode, loss_type, opsm)
-            torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=0.0, msg=lambda m: f"{label}: {m}")
+            torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=0.0, msg=lambda m, label=label: f"{label}: {m}")
             if mode in ("gspo", "sapo_seq") and is_mode is not None and is_mode.startswith("token"):
                 # TRL's sequence ratio carries its gradient through the row mean, so each token's gradient takes
                 # the row's mean weight; verl's token form (fastcov's) takes the token's own: same loss value
@@ -305,7 +305,7 @@ def test_trl_loss_code_matches_the_modes():
                 torch.testing.assert_close(lp_ours.grad.sum(-1), lp_theirs.grad.sum(-1), rtol=1e-10, atol=1e-14)
                 continue
             torch.testing.assert_close(lp_ours.grad, lp_theirs.grad, rtol=1e-10, atol=1e-14,
-                                       msg=lambda m: f"{label}: {m}")
+                                       msg=lambda m, label=label: f"{label}: {m}")
     assert trl.__version__.startswith("1.")
 
 

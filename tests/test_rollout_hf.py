@@ -9,9 +9,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-from _agreement import greedy_agreement, top2_margin  # noqa: E402
+from _agreement import greedy_agreement, top2_margin
 
-from fastcov.trainer.rollout import (  # noqa: E402
+from fastcov.trainer.rollout import (
     HFRolloutEngine,
     SamplingParams,
     rollout_copy,
@@ -85,7 +85,7 @@ def test_greedy_equals_model_generate_while_rows_leave():
     # within fp32 rounding of a tie (a batch shape moves logits by ulps)
     agree = greedy_agreement(out.token_ids, refs, margins, eps=1e-4)
     assert agree["differ"] == 0 and agree["equal"] >= len(prompts) - 1, agree
-    for p, ids, lps in zip(prompts, out.token_ids, out.logprobs):
+    for p, ids, lps in zip(prompts, out.token_ids, out.logprobs, strict=True):
         torch.testing.assert_close(torch.tensor(lps), policy_logprobs(model, p, ids), atol=1e-5, rtol=1e-5)
 
 
@@ -121,7 +121,7 @@ def test_sampling_is_reproducible_and_batching_independent_in_distribution():
     b = engine.generate(prompts, SamplingParams(1.0, 1.0, 12), torch.Generator().manual_seed(5))
     assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
     # each sampled token's log-prob is the policy's under temperature 1
-    for p, ids, lps in zip(prompts, a.token_ids, a.logprobs):
+    for p, ids, lps in zip(prompts, a.token_ids, a.logprobs, strict=True):
         torch.testing.assert_close(torch.tensor(lps), policy_logprobs(model, p, ids), atol=1e-5, rtol=1e-5)
 
 
@@ -139,12 +139,12 @@ def test_shared_policy_module_keeps_its_mode_and_gradients():
 def test_rollout_copy_is_empty_until_synced_then_equal():
     model = tiny_lm(seed=3).eval()
     copy = rollout_copy(model.config, torch.device("cpu"), torch.float32)
-    assert copy is not model and not any(p is q for p, q in zip(copy.parameters(), model.parameters()))
+    assert copy is not model and not any(p is q for p, q in zip(copy.parameters(), model.parameters(), strict=True))
     engine = HFRolloutEngine(copy, [3], 0)
     engine.update_weights(list(model.named_parameters()) + list(model.named_buffers()))
-    for (n, p), (m, q) in zip(copy.state_dict().items(), model.state_dict().items()):
+    for (n, p), (m, q) in zip(copy.state_dict().items(), model.state_dict().items(), strict=True):
         assert n == m and torch.equal(p, q), n
-    for (n, b), (_, c) in zip(copy.named_buffers(), model.named_buffers()):
+    for (n, b), (_, c) in zip(copy.named_buffers(), model.named_buffers(), strict=True):
         assert torch.equal(b, c), n
     prompts = prompts_of([5, 8])
     greedy = SamplingParams(temperature=0.0, max_new_tokens=10)

@@ -351,7 +351,7 @@ def test_server_weight_transfer_protocol(version):
     for k, flat in enumerate(flats):
         i0, i1 = infos[2 * k], infos[2 * k + 1]
         assert i0 == i1
-        sizes = [torch.Size(s).numel() * getattr(torch, d).itemsize for s, d in zip(i0["shapes"], i0["dtype_names"])]
+        sizes = [torch.Size(s).numel() * getattr(torch, d).itemsize for s, d in zip(i0["shapes"], i0["dtype_names"], strict=True)]
         assert flat.numel() == sum(sizes)
         assert rv.chunk_runs(sizes, sender.buffer_bytes) == [range(len(sizes))]  # what vLLM will cut
         chunk = rv.FlatChunk(flat, i0["names"], i0["dtype_names"], i0["shapes"], sizes)
@@ -738,7 +738,7 @@ def test_gloo_transfer_round_trip_without_vllm():
     GlooCommunicator("127.0.0.1", port, 0, 2).broadcast(chunk.flat, src=0)
     t.join(timeout=60)
     assert [n for n, _ in got["views"]] == ["a.weight", "a.bias", "b"]
-    for (_, want), (_, have) in zip(pairs, got["views"]):
+    for (_, want), (_, have) in zip(pairs, got["views"], strict=True):
         assert have.dtype == torch.bfloat16 and torch.equal(have, want.to(torch.bfloat16))
     with pytest.raises(ValueError, match="fastcov_gloo: broadcast needs a host tensor"):
         GlooCommunicator.broadcast(NS(), torch.empty(1, device="meta"))

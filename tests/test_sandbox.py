@@ -17,7 +17,7 @@ import pytest
 if not sys.platform.startswith("linux"):
     pytest.skip("the sandbox is Linux-only", allow_module_level=True)
 
-from fastcov.trainer.rewards.sandbox import Sandbox, SandboxFusionClient, SandboxLimits, capabilities  # noqa: E402
+from fastcov.trainer.rewards.sandbox import Sandbox, SandboxFusionClient, SandboxLimits, capabilities
 
 LIMITS = SandboxLimits(cpu_s=1, wall_s=3, memory_mb=256, file_size_mb=1, nproc=8, max_output_bytes=64 * 1024)
 
@@ -180,7 +180,7 @@ def test_sandbox_fusion_backend():
     seen = {}
 
     class Handler(BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802
+        def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             seen.update(body)
             ok = body["stdin"] == "2\n"

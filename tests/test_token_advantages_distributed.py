@@ -75,19 +75,19 @@ def test_two_ranks_equal_one_process(tmp_path):
     single = _compute(_seqs())
     for name in ("prime", "rpp"):
         got = ranks[0][name]["adv"] + ranks[1][name]["adv"]
-        for a, b in zip(got, single[name]["adv"]):
+        for a, b in zip(got, single[name]["adv"], strict=True):
             torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-4, atol=1e-4)
         for k, v in single[name]["metrics"].items():
             assert ranks[0][name]["metrics"][k] == pytest.approx(v, rel=1e-4, abs=1e-6), (name, k)
-    for p0, p1, p in zip(ranks[0]["prime"]["prm"], ranks[1]["prime"]["prm"], single["prime"]["prm"]):
+    for p0, p1, p in zip(ranks[0]["prime"]["prm"], ranks[1]["prime"]["prm"], single["prime"]["prm"], strict=True):
         torch.testing.assert_close(p0, p1)  # every rank holds the same PRM
         torch.testing.assert_close(p0, p, rtol=1e-4, atol=1e-5)
     lop = [torch.load(tmp_path / f"lopsided{r}.pt") for r in range(2)]
     for name in ("prime", "rpp"):
         assert lop[1][name]["adv"] == []
-        for a, b in zip(lop[0][name]["adv"], single[name]["adv"]):
+        for a, b in zip(lop[0][name]["adv"], single[name]["adv"], strict=True):
             torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-4, atol=1e-4)
-    for p0, p1, p in zip(lop[0]["prime"]["prm"], lop[1]["prime"]["prm"], single["prime"]["prm"]):
+    for p0, p1, p in zip(lop[0]["prime"]["prm"], lop[1]["prime"]["prm"], single["prime"]["prm"], strict=True):
         torch.testing.assert_close(p0, p1)
         torch.testing.assert_close(p0, p, rtol=1e-4, atol=1e-5)
     flat = torch.tensor([a for s in single["rpp"]["adv"] for a in s])

@@ -56,13 +56,13 @@ def test_hf_per_sample_seeds_do_not_depend_on_batching():
     seeds = [sample_seed(0, 1, i // 2, i % 2) for i in range(6)]
     sp = SamplingParams(temperature=1.0, max_new_tokens=12, seeds=seeds)
     whole = _tiny_engine().generate(prompts, sp)
-    alone = [_tiny_engine().generate([p], SamplingParams(1.0, 1.0, 12, [s])) for p, s in zip(prompts, seeds)]
+    alone = [_tiny_engine().generate([p], SamplingParams(1.0, 1.0, 12, [s])) for p, s in zip(prompts, seeds, strict=True)]
     small = _tiny_engine(token_budget=40).generate(prompts, sp)  # other batch shapes
     halves = [_tiny_engine().generate(prompts[sl], SamplingParams(1.0, 1.0, 12, seeds[sl]))
               for sl in (slice(0, 3), slice(3, 6))]
     for other in ([o.token_ids[0] for o in alone], small.token_ids, halves[0].token_ids + halves[1].token_ids):
         assert other == whole.token_ids
-    for o, lp in zip(alone, whole.logprobs):
+    for o, lp in zip(alone, whole.logprobs, strict=True):
         assert torch.allclose(torch.tensor(o.logprobs[0]), torch.tensor(lp), atol=1e-5)
     # one generator for the batch (rollout.seeding: batch): the split changes the draws
     g = [torch.Generator().manual_seed(0) for _ in range(3)]
@@ -121,7 +121,7 @@ def test_per_sample_runs_do_not_depend_on_the_topology(tmp_path):
     assert two_hosts["metrics"] == one_host["metrics"]
     assert all(torch.equal(two_hosts["weights"][k], one_host["weights"][k]) for k in two_hosts["weights"])
     assert one_rank["samples"] == one_host["samples"]
-    for a, b in zip(one_rank["metrics"], one_host["metrics"]):
+    for a, b in zip(one_rank["metrics"], one_host["metrics"], strict=True):
         assert a["step"] == b["step"]
         for k in ("loss", "entropy", "reward_mean", "response_len"):
             if k in a:

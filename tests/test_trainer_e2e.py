@@ -12,9 +12,9 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")
 
-from fastcov.trainer import train as train_mod  # noqa: E402
-from fastcov.trainer.config import load_config  # noqa: E402
-from fastcov.trainer.runtime.run_dir import read_metrics  # noqa: E402
+from fastcov.trainer import train as train_mod
+from fastcov.trainer.config import load_config
+from fastcov.trainer.runtime.run_dir import read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -159,7 +159,7 @@ def test_dapo_refill_fills_the_batch_with_informative_groups(tmp_path, monkeypat
     run = train_mod.train(cfg)
     recs = read_metrics(run / "metrics.jsonl")
     assert len(recs) == 3 and len(trained) == 3
-    for rec, (groups, by_group) in zip(recs, trained):
+    for rec, (groups, by_group) in zip(recs, trained, strict=True):
         assert rec["kept_groups"] == len(groups) == len(by_group)
         for rewards in by_group.values():  # only groups with reward variance are trained on
             assert len(set(rewards)) > 1 and len(rewards) == cfg.rollout.n

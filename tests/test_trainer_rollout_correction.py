@@ -17,11 +17,11 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")
 
-from fastcov.correction import rollout_correction  # noqa: E402
-from fastcov.trainer import train as train_mod  # noqa: E402
-from fastcov.trainer.config import ConfigError, load_config, rollout_correction_enabled  # noqa: E402
-from fastcov.trainer.runtime.batch import Sequence  # noqa: E402
-from fastcov.trainer.runtime.run_dir import read_metrics  # noqa: E402
+from fastcov.correction import rollout_correction
+from fastcov.trainer import train as train_mod
+from fastcov.trainer.config import ConfigError, load_config, rollout_correction_enabled
+from fastcov.trainer.runtime.batch import Sequence
+from fastcov.trainer.runtime.run_dir import read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -65,7 +65,7 @@ def _sequences(seed=0, groups=3, n=4):
     rng = random.Random(seed)
     seqs = []
     for g in range(groups):
-        for i in range(n):
+        for _ in range(n):
             k = rng.randint(1, 9)
             old = [-rng.random() * 3 for _ in range(k)]
             seqs.append(Sequence([5, 6], [7] * k, [x + rng.gauss(0, 0.15) for x in old], g,

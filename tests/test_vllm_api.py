@@ -169,7 +169,7 @@ class SourceIndex:
         for st in self._stmts(self.tree(mod).body):
             if (isinstance(st, ast.Assign) and isinstance(st.value, ast.Dict)
                     and any(isinstance(t, ast.Name) and t.id == "MODULE_ATTRS" for t in st.targets)):
-                for k, v in zip(st.value.keys, st.value.values):
+                for k, v in zip(st.value.keys, st.value.values, strict=True):
                     if isinstance(k, ast.Constant) and k.value == name and isinstance(v, ast.Constant):
                         path, _, attr = v.value.partition(":")
                         target = mod + path if path.startswith(".") else path
@@ -289,7 +289,7 @@ def signature(fn: ast.FunctionDef, bound: bool = True) -> Sig:
     n_def = len(a.defaults)
     req_pos = pos[: len(pos) - n_def] if n_def else pos
     keyword = {p.arg for p in a.args + a.kwonlyargs} - {"self", "cls"}
-    req_kw = {p.arg for p, d in zip(a.kwonlyargs, a.kw_defaults) if d is None}
+    req_kw = {p.arg for p, d in zip(a.kwonlyargs, a.kw_defaults, strict=True) if d is None}
     return Sig(pos, keyword, set(req_pos) | req_kw, a.vararg is not None, a.kwarg is not None)
 
 
@@ -730,13 +730,13 @@ def test_flat_layout_and_chunks_equal_vllm_pack_tensors(version):
         runs = rv.chunk_runs(sizes, buffer)
         assert [list(r) for r in runs] == [[i for i, _ in enumerate(pairs) if pairs[i][0] in c.names]
                                            for c in ref], buffer
-        for run, c in zip(runs, ref):
+        for run, c in zip(runs, ref, strict=True):
             ours = rv.pack_flat([pairs[i] for i in run], dt)
             assert torch.equal(ours.flat, c.packed_tensor) and ours.names == c.names
             assert ours.sizes == c.tensor_sizes and ours.shapes == c.shapes
             back = pt.unpack_tensor(ours.flat, ours.names, ours.shapes,
                                     [getattr(torch, d) for d in ours.dtype_names], ours.sizes)
-            for (n, t), (n2, v) in zip(ours.views(), back):
+            for (n, t), (n2, v) in zip(ours.views(), back, strict=True):
                 assert n == n2 and torch.equal(t, v)
 
 

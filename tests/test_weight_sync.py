@@ -37,7 +37,7 @@ def _check_plan(sizes, cap, runs):
         else:
             assert total <= cap or len(r) == 1, (r, total, cap)
     # greedy: a run is only closed when the next tensor would not fit
-    for a, b in zip(runs, runs[1:]):
+    for a, b in zip(runs, runs[1:], strict=False):
         if cap > 0:
             assert sum(aligned(sizes[i]) for i in a) + aligned(sizes[b[0]]) > cap
 
@@ -68,7 +68,7 @@ def test_flatten_unflatten_roundtrip_mixed_dtypes():
     buf = torch.full((meta.nbytes + 100,), 255, dtype=torch.uint8)
     flat = b.flatten(out=buf)
     assert flat.data_ptr() == buf.data_ptr() and flat.numel() == meta.nbytes
-    for (name, got), want in zip(unflatten(flat, meta2), tensors):
+    for (name, got), want in zip(unflatten(flat, meta2), tensors, strict=True):
         assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want), name
     with pytest.raises(ValueError, match="bytes"):
         b.flatten(out=torch.empty(meta.nbytes - 1, dtype=torch.uint8))
@@ -163,7 +163,7 @@ def test_update_weights_accepts_plain_pairs_and_rename_hook():
     src, dst = _tiny_lm(0), _tiny_lm(1)
     engine = HFRolloutEngine(dst, eos_token_ids=[0], pad_token_id=0)
     engine.update_weights(src.named_parameters())  # a plain (name, tensor) iterable still works
-    for (n, a), (_, b) in zip(src.named_parameters(), dst.named_parameters()):
+    for (n, a), (_, b) in zip(src.named_parameters(), dst.named_parameters(), strict=True):
         assert torch.equal(a, b), n
     with pytest.raises(KeyError, match="no tensor named 'x.weight'"):
         engine.update_weights([("x.weight", torch.zeros(1))])

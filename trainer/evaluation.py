@@ -17,7 +17,7 @@ final answers, as fixed-length sums that data-parallel ranks add up (``vector`` 
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -55,7 +55,7 @@ class EvalStats:
             if self.answer_fn is not None:
                 self.div[1] += distinct_answers(self.answer_fn(t) for t in texts)
             self.div[2] += 1
-        for ok, lps in zip(oks, logprobs):
+        for ok, lps in zip(oks, logprobs, strict=True):
             conf = sequence_confidence(lps)
             b = min(self.bins - 1, int(conf * self.bins))
             self.cal[b][0] += 1
@@ -182,7 +182,7 @@ def evaluate_model(model: str, data: list[str], *, k: int = 1, temperature: floa
     examples, _ = load_examples(data, tok, max_prompt_len)
     if max_prompts:
         examples = examples[:max_prompts]
-    net.config.use_cache = True
+    net.config.use_cache = True  # type: ignore[union-attr]  # a Hugging Face model's config (nn.Module types it)
     engine = HFRolloutEngine(net, [tok.eos_token_id], tok.pad_token_id, batch_size)
     cfg = Config(model=mcfg)
     cfg.trainer.eval_k = k

@@ -30,12 +30,12 @@ model's own log_softmax(logits / T) only when the model's logits are exactly ``l
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, NoReturn
 
 import torch
 
 from fastcov.integrations._require import require
-from fastcov.ops import FLOAT_DTYPES, linear_logprob_entropy
+from fastcov.ops import FLOAT_DTYPES, LogprobEntropy, linear_logprob_entropy
 
 transformers = require("transformers", "transformers", "'fastcov[hf]'")
 from transformers.modeling_outputs import CausalLMOutputWithPast  # noqa: E402
@@ -112,18 +112,18 @@ class FastcovCausalLMOutput(ModelOutput):
     """Output of a patched model called with labels. logprob/entropy/vocab_cov: [B, T] fp32. The KV
     cache, if any, is in ``cache`` or ``past_key_values``, the field the installed transformers uses."""
 
-    loss: Optional[torch.Tensor] = None
-    logprob: Optional[torch.Tensor] = None
-    entropy: Optional[torch.Tensor] = None
-    vocab_cov: Optional[torch.Tensor] = None
-    logits: Optional[torch.Tensor] = None
-    past_key_values: Optional[object] = None
-    cache: Optional[object] = None
-    hidden_states: Optional[tuple] = None
-    attentions: Optional[tuple] = None
+    loss: torch.Tensor | None = None
+    logprob: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    vocab_cov: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    past_key_values: object | None = None
+    cache: object | None = None
+    hidden_states: tuple | None = None
+    attentions: tuple | None = None
 
 
-def _refuse(model, what: str):
+def _refuse(model, what: str) -> NoReturn:
     raise UnsupportedModelError(f"apply_fastcov: {type(model).__name__} {what}; the fused kernel would not give "
                                 f"the model's own log-probs, so it is refused")
 
@@ -139,7 +139,7 @@ def _configs(model):
     return [("config", config)] + ([("config.text_config", text)] if text is not config else [])
 
 
-def _child_name(model, module) -> Optional[str]:
+def _child_name(model, module) -> str | None:
     for name, child in model.named_children():
         if child is module:
             return name
@@ -195,15 +195,19 @@ def check_model(model, *, allow_unlisted: bool = False) -> None:
     decoder_and_head(model, allow_unlisted=allow_unlisted)
 
 
-def fused_logprob_entropy(model, hidden, labels, *, temperature=1.0, vocab_cov=False, impl="auto",
-                          ignore_index=-100):
+def fused_logprob_entropy(model: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor, *,
+                          temperature: float = 1.0, vocab_cov: bool = False, impl: str = "auto",
+                          ignore_index: int = -100) -> LogprobEntropy:
     """Per-token stats of labels [B, T] from the decoder's hidden [B, T, D], shifted so that position
     t scores labels[:, t] from hidden[:, t-1]. Returns a ``LogprobEntropy`` of [B, T] tensors."""
     _, head = decoder_and_head(model, allow_unlisted=bool(getattr(model, "_fastcov_allow_unlisted", False)))
     targets = torch.cat((labels[:, 1:], torch.full_like(labels[:, :1], ignore_index)), dim=1)
     stats = linear_logprob_entropy(hidden, head.weight, targets, bias=head.bias, temperature=temperature,
                                    ignore_index=ignore_index, vocab_cov=vocab_cov, impl=impl)
-    shift = lambda t: None if t is None else torch.nn.functional.pad(t[:, :-1], (1, 0))  # noqa: E731
+
+    def shift(t):  # untyped: None stays None, a tensor stays a tensor
+        return None if t is None else torch.nn.functional.pad(t[:, :-1], (1, 0))
+
     return stats._replace(logprob=shift(stats.logprob), entropy=shift(stats.entropy),
                           logsumexp=shift(stats.logsumexp), vocab_cov=shift(stats.vocab_cov))
 
@@ -255,7 +259,7 @@ def apply_fastcov(model, *, temperature: float = 1.0, vocab_cov: bool = False, i
     return model
 
 
-def revert_fastcov(model):
+def revert_fastcov(model: Any) -> Any:  # a transformers model (its attributes are set)
     """Undo ``apply_fastcov``."""
     original = getattr(model, "_fastcov_original_forward", None)
     if original is not None:

@@ -372,6 +372,7 @@ def add_fastcov_head(model, temperature: float = 1.0, impl: str = "auto", zero3:
         with torch.autocast(hidden.device.type, enabled=False):
             stats = fused_logprob_entropy(base, hidden.to(head.weight.dtype), labels, temperature=temperature,
                                           impl=impl)
+        assert stats.entropy is not None  # computed unless entropy=False
         return FastcovCausalLMOutput(logprob=stats.logprob[:, 1:], entropy=stats.entropy[:, 1:])
 
     base.forward = forward
@@ -632,7 +633,7 @@ class FastcovGRPOTrainer(GRPOTrainer):
         names = list(metrics)
         local = torch.stack([metrics[name].detach().float() for name in names])
         values = self.accelerator.reduce(local, reduction="mean").tolist()
-        for name, value in zip(names, values):
+        for name, value in zip(names, values, strict=True):
             self._metrics[mode]["kl" if name == "kl" else f"fastcov/{name}"].append(value)
         totals = torch.stack([(entropies.detach() * mask).sum(), mask.sum().float()])
         totals = self.accelerator.reduce(totals, reduction="sum")

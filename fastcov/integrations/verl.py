@@ -34,6 +34,8 @@ computed by fastcov's kernel, including the vocabulary-parallel case (``dist_pro
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from fastcov.integrations._require import require
@@ -171,7 +173,9 @@ def register_losses() -> list[str]:
     return list(REGISTERED)
 
 
-def linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="none", dist_process_group=None):
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
+                         reduction: str = "none",
+                         dist_process_group: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
     """verl's fused-kernel signature: hidden [..., D], weight [V or V_local, D], labels [...] (global ids).
 
     Returns (logprobs, entropy): logprobs shaped like labels for reduction "none", else their "sum" or
@@ -182,6 +186,7 @@ def linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="non
     if dist_process_group is None:
         stats = linear_logprob_entropy(hidden, weight, labels, temperature=float(temperature))
         logprobs, entropy = stats.logprob, stats.entropy
+        assert entropy is not None  # computed unless entropy=False
     else:
         from fastcov.kernels._autograd import VocabParallelLogprobEntropyFunction
 

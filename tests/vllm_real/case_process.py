@@ -7,8 +7,8 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 
 def run_case_process(case_file: Path, spec: dict, tmp_path: Path) -> tuple[dict, str]:

@@ -46,7 +46,7 @@ def build_policy(spec: dict):
 
 def stats(a, b) -> dict:
     d = torch.cat([(torch.as_tensor(x, dtype=torch.float64) - torch.as_tensor(y, dtype=torch.float64)).abs()
-                   for x, y in zip(a, b)])
+                   for x, y in zip(a, b, strict=True)])
     return {"max": float(d.max()), "mean": float(d.mean()), "n": int(d.numel())}
 
 
@@ -57,7 +57,7 @@ def corr(a, b) -> float:
 
 
 def sub(a, b):
-    return [[float(x) - float(y) for x, y in zip(r, s)] for r, s in zip(a, b)]
+    return [[float(x) - float(y) for x, y in zip(r, s, strict=True)] for r, s in zip(a, b, strict=True)]
 
 
 def make_engine(lm, run_dir: str):

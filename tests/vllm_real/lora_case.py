@@ -107,7 +107,7 @@ def greedy_vs_hf(greedy, lm, prompts) -> dict:
 
 def stats(a, b) -> dict:
     d = torch.cat([(torch.as_tensor(x, dtype=torch.float64) - torch.as_tensor(y, dtype=torch.float64)).abs()
-                   for x, y in zip(a, b)])
+                   for x, y in zip(a, b, strict=True)])
     return {"max": float(d.max()), "mean": float(d.mean()), "n": int(d.numel())}
 
 

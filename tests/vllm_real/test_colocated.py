@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from case_process import run_case_process  # noqa: E402
+from case_process import run_case_process
 
 CASE = Path(__file__).with_name("colocated_case.py")
 PARITY_MAX, PARITY_MEAN = 0.05, 0.01  # nats: bf16 vLLM against the bf16 policy through the fused kernel

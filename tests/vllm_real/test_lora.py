@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from case_process import run_case_process  # noqa: E402
+from case_process import run_case_process
 
 CASE = Path(__file__).with_name("lora_case.py")
 PARITY_MEAN = 0.02  # nats: bf16 vLLM against the policy through the fused kernel (an NF4 base: fp32 compute)

@@ -11,13 +11,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from colocated_case import ROOT, build_policy, policy_lp, stats, train_step  # noqa: E402
-from server import vllm_server, write_model_dir  # noqa: E402
+from colocated_case import ROOT, build_policy, policy_lp, stats, train_step
+from server import vllm_server, write_model_dir
 
-from fastcov.trainer.config import load_config  # noqa: E402
-from fastcov.trainer.data.synthetic import build_tokenizer  # noqa: E402
-from fastcov.trainer.rollout import SamplingParams, make_rollout_engine  # noqa: E402
-from fastcov.trainer.runtime.weight_buckets import iter_buckets  # noqa: E402
+from fastcov.trainer.config import load_config
+from fastcov.trainer.data.synthetic import build_tokenizer
+from fastcov.trainer.rollout import SamplingParams, make_rollout_engine
+from fastcov.trainer.runtime.weight_buckets import iter_buckets
 
 PARITY_MAX, PARITY_MEAN = 0.05, 0.01
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from server import vllm_server, write_model_dir  # noqa: E402
+from server import vllm_server, write_model_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 WIDE = ["model.arch.hidden_size=128", "model.arch.intermediate_size=256"]  # 2 heads: head_dim 64

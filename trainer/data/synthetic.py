@@ -18,6 +18,10 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 DATA_SOURCE = "synthetic_arith"
 # Held-out problems with one operation more than any training problem: where a policy that has collapsed onto
@@ -164,7 +168,7 @@ def _corpus() -> list[str]:
     return sorted(words)
 
 
-def build_tokenizer():
+def build_tokenizer() -> PreTrainedTokenizerFast:
     """A PreTrainedTokenizerFast for the synthetic task (~150 tokens), built offline; eos = <|im_end|>."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

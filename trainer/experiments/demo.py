@@ -255,7 +255,7 @@ def _warm_start(out_dir: Path, data_dir: Path, scfg: SFTConfig, max_ops: int, ma
 
     t0 = time.perf_counter()
     loss_v = float("nan")
-    for step in range(scfg.steps):
+    for _ in range(scfg.steps):
         batch = [encode(rng.choice(problems), rng.choices(synthetic.SOLUTION_STYLES, scfg.style_weights)[0])
                  for _ in range(scfg.batch_size)]
         L = max(len(p) + len(r) for p, r in batch)
@@ -277,8 +277,8 @@ def _warm_start(out_dir: Path, data_dir: Path, scfg: SFTConfig, max_ops: int, ma
         sched.step()
         loss_v = float(loss.detach())
     model_dir = out_dir / "model"
-    model.config.use_cache = True
-    model.save_pretrained(model_dir)
+    model.config.use_cache = True  # type: ignore[union-attr]  # a Hugging Face model (nn.Module types its attributes)
+    model.save_pretrained(model_dir)  # type: ignore[operator]
     tok.save_pretrained(model_dir)
     return {"sft_loss": loss_v, "sft_seconds": time.perf_counter() - t0, "sft_steps": scfg.steps}
 

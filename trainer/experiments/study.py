@@ -202,12 +202,12 @@ def main(argv: list[str] | None = None) -> int:
         total = time.perf_counter() - t_start
     if multi:
         return _seed_report(study, args, out, base, arms, seeds, run_dirs, timings, total, cfgs)
-    run_dirs = [run_dirs[(a, seeds[0])] for a in arms]
+    report_dirs = [run_dirs[(a, seeds[0])] for a in arms]
     pre = (f"Study `{os.path.relpath(args.study)}` on `{os.path.relpath(base)}`; wall time {_wall(total)} ("
            + ", ".join(f"{a} {s:.0f}s" for a, s in timings.items()) + ").")
     if study.get("notes"):
         pre += "\n\n" + str(study["notes"]).strip()
-    report, _ = write_report(run_dirs, out, study.get("title", "fastcov study"), pre)
+    report, _ = write_report(report_dirs, out, study.get("title", "fastcov study"), pre)
     print(report.read_text())
     print(f"[study] report: {report}")
     return 0
@@ -306,7 +306,7 @@ def _seed_report(study, args, out: Path, base: str, arms, seeds, run_dirs, timin
 
     pass_k = int(study.get("pass_k", 8))
     numbers = {a: [run_numbers(run_dirs[(a, sd)], pass_k) for sd in seeds] for a in arms}
-    contrasts = [_contrast(c) for c in study.get("contrasts") or []]
+    contrasts = [(a, b) for a, b in map(_contrast, study.get("contrasts") or [])]  # pairs: checked on load
     lines, summary = study_tables(numbers, pass_k, contrasts=[c for c in contrasts if all(a in numbers for a in c)])
     plot = plot_bands(numbers, out / "entropy_bands.png")
     head = [f"# {study.get('title', 'fastcov study')}", "",

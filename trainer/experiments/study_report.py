@@ -9,8 +9,9 @@ seeds they are wide, and the report says so rather than hiding it.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 # ---------------------------------------------------------------- Student's t, without scipy
 
@@ -167,7 +168,7 @@ def law_holdout(numbers: dict[str, Any], fit_fraction: float = 0.15) -> dict[str
     accuracy, H: its rollout entropy), predicting the rest: holdout RMSE and predicted ceiling b − a."""
     from fastcov.law import fit_entropy_law
 
-    pairs = [(h, r) for h, r in zip(numbers["entropy"], numbers["rollout_acc"]) if r is not None]
+    pairs = [(h, r) for h, r in zip(numbers["entropy"], numbers["rollout_acc"], strict=True) if r is not None]
     try:
         law = fit_entropy_law([h for h, _ in pairs], [v for _, v in pairs], fit_fraction=fit_fraction)
     except ValueError as exc:
@@ -279,10 +280,10 @@ def _gap_lines(numbers: dict[str, list[dict[str, Any]]], pass_k: int, baseline: 
         summary["arms"][arm]["entropy_gap" + key] = entry
         acc_text = ""
         for metric in (f"pass@{pass_k}", f"mean@{pass_k}"):  # mean@k only where pass@k was evaluated
-            vals = [[n.get(metric) for n in numbers[x]] for x in (arm, other)]
+            vals: list[list[Any]] = [[n.get(metric) for n in numbers[x]] for x in (arm, other)]
             if any(v is None for vs in vals for v in vs):
                 break
-            mgap, mhalf = diff_ci(*vals)
+            mgap, mhalf = diff_ci(vals[0], vals[1])
             summary["arms"][arm][f"{metric}_gap" + key] = {"mean": mgap, "ci95": mhalf}
             mverdict = "excludes" if _excludes_zero(mgap, mhalf) else "includes"
             acc_text += f"; {metric}: {_cell(mgap, mhalf)} (the interval {mverdict} 0)"
@@ -323,8 +324,8 @@ def _harder_lines(numbers: dict[str, list[dict[str, Any]]], baseline: str, summa
     k = first["k"]
     metrics = (f"pass@{k}", f"mean@{k}", "distinct_answers")
 
-    def cell(ci, spec=".3f"):
-        return _cell(*ci, spec) + (" *" if ci[0] is not None and _excludes_zero(*ci) else "")
+    def cell(ci: tuple[float | None, float | None], spec: str = ".3f") -> str:
+        return _cell(*ci, spec) + (" *" if ci[0] is not None and _excludes_zero(ci[0], ci[1]) else "")
 
     starts = [r["harder"]["start"] for runs in numbers.values() for r in runs]
     start = {m: _mean_ci_of_known([s.get(m) for s in starts]) for m in metrics}
@@ -351,7 +352,8 @@ def _harder_lines(numbers: dict[str, list[dict[str, Any]]], baseline: str, summa
     if contrasts:
         lines.append("")
     for arm, other in contrasts:
-        gaps = {m: diff_ci(*[[r["harder"]["end"][m] for r in numbers[x]] for x in (arm, other)]) for m in metrics[:2]}
+        gaps = {m: diff_ci([r["harder"]["end"][m] for r in numbers[arm]],
+                           [r["harder"]["end"][m] for r in numbers[other]]) for m in metrics[:2]}
         out["arms"][arm].update({f"{m}_gap_vs_{other}": {"mean": g[0], "ci95": g[1]} for m, g in gaps.items()})
         lines.append(f"- {arm} − {other}: " + ", ".join(f"{m} {cell(g)}" for m, g in gaps.items()) + ".")
     summary["harder"] = out
@@ -404,7 +406,7 @@ def target_holding(numbers: dict[str, list[dict[str, Any]]], target: float,
             errors.append(_abs_error(r, target))
             shares.append(sum(abs(h - target) <= band for h in half) / len(half))
             means.append(sum(half) / len(half))
-            firsts.append(next((s for s, h in zip(steps, ent) if abs(h - target) <= band), None))
+            firsts.append(next((s for s, h in zip(steps, ent, strict=True) if abs(h - target) <= band), None))
         err, share, mean_h = mean_ci(errors), mean_ci(shares), mean_ci(means)
         summary["arms"][arm] = {"abs_error": {"mean": err[0], "ci95": err[1]},
                                 "share_within_10pct": {"mean": share[0], "ci95": share[1]},
@@ -458,7 +460,7 @@ def plot_target(numbers: dict[str, list[dict[str, Any]]], target: float, path: P
                 [max(c) for c in cols_])
 
     base = mean_band(numbers[baseline], "entropy") if baseline in numbers else None
-    for ax, arm in zip(axes.flat, arms):
+    for ax, arm in zip(axes.flat, arms, strict=False):
         steps, mean, lo, hi = mean_band(numbers[arm], "entropy")
         ax.fill_between(steps, lo, hi, color="C0", alpha=0.25, lw=0)
         ax.plot(steps, mean, color="C0", lw=1.2, label=arm)
@@ -548,7 +550,7 @@ def _pair_stats(numbers, arm: str, control: str, value) -> dict[str, Any] | None
     vals = [[value(r) for r in numbers[x]] for x in (arm, control)]
     if any(v is None for vs in vals for v in vs):
         return None
-    (ms, hs), (mc, hc), (d, hd) = mean_ci(vals[0]), mean_ci(vals[1]), diff_ci(*vals)
+    (ms, hs), (mc, hc), (d, hd) = mean_ci(vals[0]), mean_ci(vals[1]), diff_ci(vals[0], vals[1])
     return {"selection": {"mean": ms, "ci95": hs}, "random": {"mean": mc, "ci95": hc},
             "diff": {"mean": d, "ci95": hd, "excludes_zero": _excludes_zero(d, hd)}}
 
@@ -673,11 +675,11 @@ def plot_selection(entries: Sequence[dict[str, Any]], path: Path, labels: dict[s
         ("jaccard", "Jaccard index, random vs c_t's pick (dotted: chance, KL-Cov)")]
     ratios = sorted({e["ratio"] for e in entries})
     kl_ratios = sorted({e["ratio"] for e in entries if e["method"] == "kl_cov"})  # chance f / (2 − f) needs f = ratio
-    for ax, (key, title) in zip(axes.flat, panels):
+    for ax, (key, title) in zip(axes.flat, panels, strict=False):
         for i, (name, group) in enumerate(series.items()):
             group = sorted(group, key=lambda e: e["ratio"])
             stats = [e["jaccard"] if key == "jaccard" else e["contrasts"].get(key, {}).get("diff") for e in group]
-            pts = [(e["ratio"] * 1.06 ** i, s["mean"], s["ci95"] or 0.0) for e, s in zip(group, stats)
+            pts = [(e["ratio"] * 1.06 ** i, s["mean"], s["ci95"] or 0.0) for e, s in zip(group, stats, strict=True)
                    if s and s["mean"] is not None]
             if pts:
                 ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], marker="o",

@@ -19,6 +19,7 @@ import os
 import resource
 import signal
 import sys
+from typing import Any, NoReturn
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUSER = 0x10000000
@@ -34,24 +35,24 @@ SETUP_FAILED = 199
 libc = ctypes.CDLL(None, use_errno=True)
 
 
-def fail(msg):
+def fail(msg: str) -> NoReturn:
     sys.stderr.write(f"fastcov-sandbox: {msg}\n")
     sys.stderr.flush()
     os._exit(SETUP_FAILED)
 
 
-def write(path, text):
+def write(path: str, text: str) -> None:
     with open(path, "w") as f:
         f.write(text)
 
 
-def unshare(flags):
+def unshare(flags: int) -> None:
     if libc.unshare(ctypes.c_int(flags)) != 0:
         err = ctypes.get_errno()
         fail(f"unshare({flags:#x}) failed: {os.strerror(err)}")
 
 
-def landlock_abi():
+def landlock_abi() -> int:
     v = libc.syscall(SYS_LANDLOCK_CREATE_RULESET, None, ctypes.c_size_t(0), ctypes.c_uint32(1))
     return v if v > 0 else 0
 
@@ -65,7 +66,7 @@ READ_FS = (1 << 0) | (1 << 2) | (1 << 3)  # EXECUTE, READ_FILE, READ_DIR
 FILE_RIGHTS = (1 << 0) | (1 << 1) | (1 << 2) | (1 << 14)  # EXECUTE, WRITE_FILE, READ_FILE, TRUNCATE
 
 
-def landlock(workdir, abi, read_paths=None):
+def landlock(workdir: str, abi: int, read_paths: list[str] | None = None) -> None:
     """Writes only beneath ``workdir`` (and to /dev/null); with ``read_paths`` (a list), reads and execution
     only beneath those paths and ``workdir`` as well; with ABI >= 4 no TCP bind/connect; with ABI >= 6 no
     signals or abstract unix sockets outside the sandbox. /proc/<pid>/environ of processes outside the
@@ -110,8 +111,8 @@ def landlock(workdir, abi, read_paths=None):
     os.close(fd)
 
 
-def limits(spec):
-    def setl(which, soft, hard=None):
+def limits(spec: dict[str, Any]) -> None:
+    def setl(which: int, soft: int, hard: int | None = None) -> None:
         resource.setrlimit(which, (soft, soft if hard is None else hard))
 
     setl(resource.RLIMIT_CORE, 0)
@@ -123,7 +124,7 @@ def limits(spec):
     setl(resource.RLIMIT_NPROC, spec["nproc"])
 
 
-def exec_program(spec):
+def exec_program(spec: dict[str, Any]) -> NoReturn:
     """In the program's process: limits, confinement, uid drop, exec. Never returns."""
     workdir = spec["workdir"]
     try:
@@ -152,14 +153,14 @@ def exec_program(spec):
         fail(f"cannot run {spec['argv'][0]}: {exc}")
 
 
-def wait_status(pid):
+def wait_status(pid: int) -> int:
     _, status = os.waitpid(pid, 0)
     if os.WIFSIGNALED(status):
         return 128 + os.WTERMSIG(status)
     return os.WEXITSTATUS(status)
 
 
-def init(spec):
+def init(spec: dict[str, Any]) -> NoReturn:
     """pid 1 of the sandbox's pid namespace: run the program, reap orphans, exit with its status."""
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     prog = os.fork()
@@ -177,7 +178,7 @@ def init(spec):
     os._exit(code if code is not None else SETUP_FAILED)
 
 
-def main():
+def main() -> NoReturn:
     spec = json.loads(sys.argv[1])
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     flags = 0

@@ -48,7 +48,7 @@ def parse_tests(ground_truth: str) -> list[tuple[str, str]]:
         raise ValueError("code ground truth must be a JSON object with 'inputs' and 'outputs' lists")
     if len(obj["inputs"]) != len(obj["outputs"]) or not obj["inputs"]:
         raise ValueError(f"code ground truth: {len(obj['inputs'])} inputs but {len(obj['outputs'])} outputs")
-    return [(str(i), str(o)) for i, o in zip(obj["inputs"], obj["outputs"])]
+    return [(str(i), str(o)) for i, o in zip(obj["inputs"], obj["outputs"], strict=True)]
 
 
 def extract_code(response: str) -> str | None:
@@ -119,7 +119,7 @@ class CodeRewardFn:
         out = [False] * len(responses)
         if todo:
             with ThreadPoolExecutor(max_workers=min(self.workers, len(todo))) as pool:
-                for i, ok in zip(todo, pool.map(lambda j: self.is_correct(responses[j], truths[j]), todo)):
+                for i, ok in zip(todo, pool.map(lambda j: self.is_correct(responses[j], truths[j]), todo), strict=True):
                     out[i] = ok
         return out
 

@@ -30,6 +30,7 @@ import time
 import warnings
 from fractions import Fraction
 from multiprocessing.connection import wait
+from typing import Any
 
 import numpy as np
 
@@ -186,8 +187,8 @@ class _Worker:
     """One math-verify process: ``state`` is "dead", "starting", "idle" or "busy" (with ``job``)."""
 
     def __init__(self) -> None:
-        self.proc = None
-        self.conn = None
+        self.proc: Any = None  # the context's Process once started (its class depends on the start method)
+        self.conn: Any = None  # its end of the Pipe once started
         self.state = "dead"
         self.job: int | None = None
         self.deadline = 0.0
@@ -287,29 +288,31 @@ class VerifyPool:
                     continue
                 try:
                     msg = w.conn.recv()
-                except (EOFError, OSError):  # the worker died
+                except (EOFError, OSError) as exc:  # the worker died
                     self.deaths += 1
                     if w.state == "busy":
-                        j = w.job
-                        if tries[j] < 2:
-                            queue.appendleft(j)  # retried once on a fresh worker
+                        assert w.job is not None  # a busy worker has a job
+                        if tries[w.job] < 2:
+                            queue.appendleft(w.job)  # retried once on a fresh worker
                         else:
-                            results[j] = None
+                            results[w.job] = None
                     else:
                         failed_starts += 1
                         if failed_starts > 3 * len(self.workers):
-                            raise RuntimeError("reward workers die while starting (is math-verify installed?)")
+                            raise RuntimeError("reward workers die while starting (is math-verify installed?)") from exc
                     restart(w)
                     continue
                 if w.state == "starting":
                     w.state = "idle"
                 else:
+                    assert w.job is not None  # a busy worker has a job
                     results[w.job] = bool(msg)
                     w.state, w.job = "idle", None
             now = time.monotonic()
             for w in live:
                 if w.state in ("starting", "busy") and now >= w.deadline:
                     if w.state == "busy":
+                        assert w.job is not None  # a busy worker has a job
                         self.timeouts += 1
                         results[w.job] = None
                     else:
@@ -357,10 +360,10 @@ class RewardFn:
             raise ValueError(f"check_batch: {len(responses)} responses but {len(truths)} ground truths")
         out: list[bool] = [False] * len(responses)
         pending: list[int] = []
-        answers: list[str | None] = []
-        for i, (resp, truth) in enumerate(zip(responses, truths)):
+        answers: list[str] = []  # "" where there is none (never checked)
+        for i, (resp, truth) in enumerate(zip(responses, truths, strict=True)):
             answer = extract_boxed(resp)
-            answers.append(answer)
+            answers.append(answer or "")
             if not answer or len(answer) > MAX_ANSWER_CHARS:
                 continue
             verdict = quick_verdict(answer, str(truth))
@@ -385,7 +388,7 @@ class RewardFn:
                     verdicts.append(None)
             timed_out = sum(v is None for v in verdicts)
         self.timeouts += timed_out
-        for i, v in zip(pending, verdicts):
+        for i, v in zip(pending, verdicts, strict=True):
             if v is None:
                 warnings.warn(f"reward check timed out after {self.timeout_s}s (or its worker died) on answer "
                               f"{answers[i][:80]!r}", stacklevel=3)
@@ -413,7 +416,7 @@ class RewardFn:
         """Rewards of a batch (the pool checks undecided answers in parallel). A subclass (or a test)
         that overrides ``__call__`` is honoured: its ``__call__`` is then applied per response."""
         if type(self).__call__ is not RewardFn._own_call:
-            return [float(self(r, t)) for r, t in zip(responses, truths)]
+            return [float(self(r, t)) for r, t in zip(responses, truths, strict=True)]
         return [self._score(ok) for ok in self.check_batch(responses, truths)]
 
     def close(self) -> None:
@@ -423,5 +426,5 @@ class RewardFn:
     def __del__(self) -> None:  # pragma: no cover - interpreter shutdown order
         try:
             self.close()
-        except Exception:
+        except Exception:  # noqa: BLE001 - best effort: __del__ must not raise during interpreter shutdown
             pass

@@ -49,6 +49,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 LAUNCHER = Path(__file__).with_name("_sandbox_launcher.py")
 SETUP_FAILED = 199
@@ -156,7 +157,8 @@ def capabilities() -> dict:
             _warn_once("uid", "sandbox: running as root and no Python interpreter is executable by 'nobody'; "
                               "programs run as root, where RLIMIT_NPROC (the fork limit) does not apply")
         abi = _landlock_abi()
-        caps = {"landlock": abi, "drop_uid": drop, "python": python, "namespaces": True, "restrict_reads": abi > 0}
+        caps: dict[str, Any] = {"landlock": abi, "drop_uid": drop, "python": python, "namespaces": True,
+                                "restrict_reads": abi > 0}
         _caps = caps  # _spawn reads it
         probe = _run(["-c", "import json, re, math; print('ok')"], "", SandboxLimits(cpu_s=5, wall_s=30), caps)
         if probe.status != "ok" and caps["restrict_reads"]:
@@ -227,15 +229,17 @@ def _spawn(spec: dict, stdin: str, limits: SandboxLimits) -> SandboxResult:
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=spec["workdir"],
         env=_scrubbed_env(spec["workdir"]), start_new_session=True, close_fds=True,
     )
+    stdin_pipe, stdout_pipe, stderr_pipe = proc.stdin, proc.stdout, proc.stderr
+    assert stdin_pipe is not None and stdout_pipe is not None and stderr_pipe is not None  # all three are PIPE
 
     def feed():
         try:
-            proc.stdin.write(stdin.encode("utf-8"))
+            stdin_pipe.write(stdin.encode("utf-8"))
         except (BrokenPipeError, OSError):
             pass  # the program closed stdin or exited
         finally:
             try:
-                proc.stdin.close()
+                stdin_pipe.close()
             except OSError:
                 pass
 
@@ -246,8 +250,8 @@ def _spawn(spec: dict, stdin: str, limits: SandboxLimits) -> SandboxResult:
     over = timed_out = False
     deadline = t0 + limits.wall_s
     sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ, "out")
-    sel.register(proc.stderr, selectors.EVENT_READ, "err")
+    sel.register(stdout_pipe, selectors.EVENT_READ, "out")
+    sel.register(stderr_pipe, selectors.EVENT_READ, "err")
     open_streams = 2
     while open_streams:
         left = deadline - time.monotonic()
@@ -255,7 +259,7 @@ def _spawn(spec: dict, stdin: str, limits: SandboxLimits) -> SandboxResult:
             timed_out = True
             break
         for key, _ in sel.select(timeout=min(left, 0.5)):
-            chunk = os.read(key.fileobj.fileno(), 65536)
+            chunk = os.read(key.fd, 65536)
             if not chunk:
                 sel.unregister(key.fileobj)
                 open_streams -= 1
@@ -278,7 +282,7 @@ def _spawn(spec: dict, stdin: str, limits: SandboxLimits) -> SandboxResult:
         _kill_group(proc)
     proc.wait()
     sel.close()
-    for stream in (proc.stdout, proc.stderr):
+    for stream in (stdout_pipe, stderr_pipe):
         stream.close()
     feeder.join(timeout=1.0)
     wall = time.monotonic() - t0

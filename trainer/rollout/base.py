@@ -90,7 +90,7 @@ def finish_rollouts(token_ids: Sequence[Sequence[int]], logprobs: Sequence[Seque
         raise ValueError(f"finish_rollouts: {len(token_ids)} token rows but {len(logprobs)} log-prob rows")
     eos = {int(t) for t in eos_token_ids}
     ids_out, lp_out = [], []
-    for i, (row, lrow) in enumerate(zip(token_ids, logprobs)):
+    for i, (row, lrow) in enumerate(zip(token_ids, logprobs, strict=True)):
         if len(row) != len(lrow):
             raise ValueError(f"finish_rollouts: response {i} has {len(row)} tokens but {len(lrow)} log-probs")
         n = len(row)

@@ -116,7 +116,7 @@ class HFRolloutEngine(RolloutEngine):
         if self.shares_policy:
             drain(named_tensors)
             return
-        own = dict(self.model.named_parameters())
+        own: dict[str, torch.Tensor] = dict(self.model.named_parameters())
         own.update(dict(self.model.named_buffers()))
         for name, tensor in iter_named(named_tensors):
             if name not in own:
@@ -193,7 +193,7 @@ class HFRolloutEngine(RolloutEngine):
         token_ids: list[list[int]] = [[] for _ in range(B)]
         logprobs: list[list[float]] = [[] for _ in range(B)]
         for r, t, lp in steps:
-            for i, tk, lv in zip(r.tolist(), t.tolist(), lp.tolist()):
+            for i, tk, lv in zip(r.tolist(), t.tolist(), lp.tolist(), strict=True):
                 token_ids[i].append(tk)
                 logprobs[i].append(lv)
         return finish_rollouts(token_ids, logprobs, self.eos.tolist())

@@ -77,6 +77,7 @@ class NodeRolloutEngine(RolloutEngine):
                            group=self.group)
         pieces: list | None = None
         if self.engine is not None:
+            assert gathered is not None  # gathered on the engine's ranks
             parts = [(ps, dataclasses.replace(sampling, seeds=seeds)) for ps, seeds in gathered]
             pieces = self._each(parts, generator) if self.per_member else self._joined(parts, sampling, generator)
         mine: list = [None]

@@ -14,6 +14,7 @@ vllm_factory.py (``make_vllm_engine``). docs/vllm.md has setup, modes and memory
 from __future__ import annotations
 
 import re
+from types import ModuleType
 
 SUPPORTED = ">=0.26,<0.34"
 _MIN, _BELOW = (0, 26), (0, 34)
@@ -44,7 +45,7 @@ def check_vllm_version(version: str) -> tuple[int, ...]:
     return rel
 
 
-def import_vllm():
+def import_vllm() -> ModuleType:
     """The ``vllm`` module, checked against the supported range."""
     try:
         import vllm

@@ -25,6 +25,7 @@ import importlib
 import time
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -56,7 +57,7 @@ class LocalUpdateInfo:
 _LOCAL_ENGINE_CLS = None
 
 
-def local_transfer_engine_cls():
+def local_transfer_engine_cls() -> type:
     """The ``fastcov_local`` weight-transfer backend: a subclass of vLLM's ``WeightTransferEngine``
     (built on first use: its base class is vLLM's)."""
     global _LOCAL_ENGINE_CLS
@@ -170,10 +171,10 @@ class VLLMColocatedEngine(RolloutEngine):
         seeds = (list(sampling.seeds) if sampling.seeds is not None  # rollout.seeding per_sample
                  else [None] * n if generator is None else
                  torch.randint(0, 2**31 - 1, (n,), generator=generator, device=generator.device).tolist())
-        reqs = [(list(map(int, p)), s) for p, s in zip(prompts, seeds)]
+        reqs = [(list(map(int, p)), s) for p, s in zip(prompts, seeds, strict=True)]
         counts, me = [n], 0
         if self.group is not None:  # SPMD: every rank of the engine runs the same requests
-            parts = [None] * dist.get_world_size(self.group)
+            parts: list[Any] = [None] * dist.get_world_size(self.group)
             dist.all_gather_object(parts, reqs, group=self.group)
             counts, me = [len(p) for p in parts], dist.get_rank(self.group)
             reqs = [r for p in parts for r in p]

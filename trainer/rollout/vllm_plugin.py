@@ -47,7 +47,7 @@ class GlooCommunicator:
 
         self.rank, self.world_size = int(rank), int(world_size)
         self.store = dist.TCPStore(host, int(port), self.world_size, self.rank == 0, timeout=TIMEOUT)
-        opts = dist.ProcessGroupGloo._Options()
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # private, not in torch's stubs
         opts._timeout = TIMEOUT
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address(host, int(port)))]
         self.group = dist.ProcessGroupGloo(self.store, self.rank, self.world_size, opts)
@@ -59,7 +59,7 @@ class GlooCommunicator:
             raise ValueError(f"fastcov_gloo: broadcast needs a host tensor, got one on {tensor.device}")
         opts = dist.BroadcastOptions()
         opts.rootRank = int(src)
-        self.group.broadcast([tensor], opts).wait()
+        self.group.broadcast([tensor], opts).wait()  # type: ignore[attr-defined]  # bound by torch's C++, no stub
 
 
 @dataclass
@@ -83,7 +83,7 @@ class GlooUpdateInfo:
 
 def receive_chunk(comm, info: GlooUpdateInfo) -> list[tuple[str, torch.Tensor]]:
     """Receive one flat bucket from rank 0 and cut it into (name, tensor) views."""
-    sizes = [math.prod(s) * getattr(torch, d).itemsize for d, s in zip(info.dtype_names, info.shapes)]
+    sizes = [math.prod(s) * getattr(torch, d).itemsize for d, s in zip(info.dtype_names, info.shapes, strict=True)]
     flat = torch.empty(sum(sizes), dtype=torch.uint8)
     comm.broadcast(flat, src=0)
     return FlatChunk(flat, list(info.names), list(info.dtype_names), [list(s) for s in info.shapes], sizes).views()
@@ -113,7 +113,7 @@ def reprocess_tied_layers(model: torch.nn.Module) -> int:
 _GLOO_ENGINE_CLS = None
 
 
-def gloo_transfer_engine_cls():
+def gloo_transfer_engine_cls() -> type:
     """The ``fastcov_gloo`` backend: a subclass of vLLM's ``WeightTransferEngine`` (built on first use)."""
     global _GLOO_ENGINE_CLS
     if _GLOO_ENGINE_CLS is not None:

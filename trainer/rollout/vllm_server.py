@@ -23,9 +23,11 @@ import os
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import torch
 
@@ -70,7 +72,7 @@ def post_json(url: str, payload: dict | None = None, timeout: float = 3600.0) ->
 
 def routable_ip(url: str) -> str:
     """This machine's address on the route to ``url``'s host (what a server uses to reach rank 0)."""
-    parsed = urllib.request.urlparse(url)
+    parsed = urllib.parse.urlparse(url)
     return local_address(parsed.hostname or "127.0.0.1", parsed.port or 80)
 
 
@@ -99,7 +101,7 @@ class ServerWeightSender:
 
     def __init__(self, urls: list[str], tp: int, device: torch.device, api: VLLMApi,
                  dtype: torch.dtype = torch.bfloat16, bucket_bytes: int = 64 << 20,
-                 post: Callable[[str, dict], dict] = post_json,
+                 post: Callable[[str, dict | None], dict] = post_json,
                  make_communicator: Callable | None = None, host: str | None = None,
                  backend: str = SERVER_BACKEND, skip: Iterable[str] = ()):
         if backend not in (SERVER_BACKEND, GLOO_BACKEND):
@@ -119,7 +121,7 @@ class ServerWeightSender:
         self.post = post
         self.make_communicator = make_communicator
         self.host = host
-        self.comm = None
+        self.comm: Any = None  # make_communicator's (NCCL's or a GlooCommunicator) once connected
         self._buf: torch.Tensor | None = None
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.urls)))
         self.stats: dict[str, float] = {}
@@ -130,7 +132,7 @@ class ServerWeightSender:
 
     def _all(self, path: str, payloads: list[dict | None] | None = None) -> list:
         payloads = payloads if payloads is not None else [{}] * len(self.urls)
-        return [self._pool.submit(self.post, u + path, p) for u, p in zip(self.urls, payloads)]
+        return [self._pool.submit(self.post, u + path, p) for u, p in zip(self.urls, payloads, strict=True)]
 
     @staticmethod
     def _wait(futs) -> None:
@@ -197,7 +199,7 @@ class VLLMServerEngine(RolloutEngine):
     ``backend`` and ``skip`` are its)."""
 
     def __init__(self, urls: list[str], eos_token_ids: list[int], tp: int, device: torch.device,
-                 rank: int = 0, world: int = 1, post: Callable[[str, dict], dict] = post_json,
+                 rank: int = 0, world: int = 1, post: Callable[[str, dict | None], dict] = post_json,
                  sender: ServerWeightSender | None = None, api: VLLMApi | None = None,
                  dtype: torch.dtype = torch.bfloat16, bucket_bytes: int = 64 << 20,
                  backend: str = SERVER_BACKEND, skip: Iterable[str] = ()):
@@ -238,14 +240,15 @@ class VLLMServerEngine(RolloutEngine):
             return RolloutBatch([], [])
         model = self.served_model()
         jobs = []
-        for url, sl in zip(self.urls, split_evenly(len(prompts), len(self.urls))):
+        for url, sl in zip(self.urls, split_evenly(len(prompts), len(self.urls)), strict=True):
             part = [list(map(int, p)) for p in prompts[sl]]
             if part:
                 if sampling.seeds is None:
                     payload = completion_payload(model, part, sampling, self.eos)
                     jobs.append((len(part), self._pool.submit(self.post, url + "/v1/completions", payload)))
                     continue
-                for p, seed in zip(part, sampling.seeds[sl]):  # per_sample: one request per response, its seed
+                # per_sample: one request per response, its seed
+                for p, seed in zip(part, sampling.seeds[sl], strict=True):
                     payload = {**completion_payload(model, [p], sampling, self.eos), "seed": seed}
                     jobs.append((1, self._pool.submit(self.post, url + "/v1/completions", payload)))
         ids, lps = [], []

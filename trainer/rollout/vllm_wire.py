@@ -85,7 +85,8 @@ class FlatChunk:
     def views(self) -> list[tuple[str, torch.Tensor]]:
         """(name, tensor) views of ``flat`` (a copy only for a tensor whose offset its dtype cannot view)."""
         out = []
-        for name, dt, shape, off, n in zip(self.names, self.dtype_names, self.shapes, self.offsets, self.sizes):
+        for name, dt, shape, off, n in zip(self.names, self.dtype_names, self.shapes, self.offsets, self.sizes,
+                                           strict=True):
             dtype = getattr(torch, dt)
             part = self.flat[off : off + n]
             if part.storage_offset() % dtype.itemsize:
@@ -115,7 +116,7 @@ def pack_flat(pairs: list[tuple[str, torch.Tensor]], dtype: torch.dtype,
             raise ValueError(f"pack_flat: out must be a 1-D uint8 tensor of >= {total} bytes")
         flat = out[:total]
     off = 0
-    for (_, t), dt, n in zip(pairs, dts, sizes):
+    for (_, t), dt, n in zip(pairs, dts, sizes, strict=True):
         dst = flat[off : off + n]
         if n and (dst.storage_offset() % dt.itemsize == 0):
             dst.view(dt).copy_(t.reshape(-1))  # cast and copy in one pass
@@ -159,7 +160,7 @@ def request_outputs_to_batch(outputs, eos_token_ids: Iterable[int]) -> RolloutBa
         if comp.logprobs is None:
             raise RuntimeError(f"vLLM returned no log-probs for request {k} (SamplingParams(logprobs=0) ignored?)")
         row = []
-        for pos, (tok, d) in enumerate(zip(toks, comp.logprobs)):
+        for pos, (tok, d) in enumerate(zip(toks, comp.logprobs, strict=False)):  # a short row: refused below
             if tok not in d:
                 raise RuntimeError(f"vLLM log-probs of request {k} lack the sampled token {tok} at position {pos}")
             row.append(float(d[tok].logprob))

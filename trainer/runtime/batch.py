@@ -106,7 +106,7 @@ class MicroBatch:
         cols: list[int] = []
         seqs: list[int] = []
         toks: list[int] = []
-        for si, (row, start, n) in zip(self.seq_index, self.spans):
+        for si, (row, start, n) in zip(self.seq_index, self.spans, strict=True):
             rows += [row] * n
             cols += range(start, start + n)
             seqs += [si] * n

@@ -324,7 +324,7 @@ def load_checkpoint(path: Path, policy_engine, generators: dict[str, torch.Gener
         set_rng_state(rng, generators)
     except CheckpointError:
         raise
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - torch raises many kinds on a damaged RNG state; one user-facing error
         raise CheckpointError(f"--resume: {str(path / f'rng_rank{rank}.pt')!r} holds no usable RNG state "
                               f"({type(exc).__name__})") from None
     return state

@@ -19,9 +19,13 @@ import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from peft import LoraConfig
 
 HEAD = "lm_head"
 ADAPTER = "default"  # peft's adapter name
@@ -37,12 +41,13 @@ def lora_enabled(mcfg) -> bool:
     return mcfg is not None and int(getattr(mcfg, "lora_rank", 0) or 0) > 0
 
 
-def lora_config(mcfg):
+def lora_config(mcfg) -> LoraConfig:
     """peft's LoraConfig of a ``model`` section (the head, if listed, trains in full: not a LoRA target)."""
     from peft import LoraConfig
 
     targets = [t for t in mcfg.lora_targets if t != HEAD]
-    return LoraConfig(r=int(mcfg.lora_rank), lora_alpha=float(mcfg.lora_alpha),
+    # peft annotates lora_alpha int but computes alpha / r: a fractional alpha works
+    return LoraConfig(r=int(mcfg.lora_rank), lora_alpha=float(mcfg.lora_alpha),  # type: ignore[arg-type]
                       lora_dropout=float(mcfg.lora_dropout), target_modules=targets, bias="none")
 
 
@@ -97,9 +102,9 @@ def add_adapters(model: nn.Module, mcfg, compute_dtype: torch.dtype) -> nn.Modul
     if HEAD in mcfg.lora_targets:
         for p in _head(model).parameters():
             p.requires_grad_(True)
-    setattr(model, "_fastcov_lora", {"rank": int(mcfg.lora_rank), "alpha": float(mcfg.lora_alpha),
-                                     "dropout": float(mcfg.lora_dropout), "targets": list(mcfg.lora_targets),
-                                     "quantization": mcfg.quantization})
+    info = {"rank": int(mcfg.lora_rank), "alpha": float(mcfg.lora_alpha), "dropout": float(mcfg.lora_dropout),
+            "targets": list(mcfg.lora_targets), "quantization": mcfg.quantization}
+    setattr(model, "_fastcov_lora", info)  # noqa: B010 - nn.Module's __setattr__ would type it Tensor | Module
     return model
 
 
@@ -109,7 +114,7 @@ def has_adapters(model: nn.Module) -> bool:
 
 def lora_info(model: nn.Module) -> dict:
     """What ``add_adapters`` recorded on the model: rank, alpha, dropout, targets, quantization."""
-    return getattr(model, "_fastcov_lora")
+    return getattr(model, "_fastcov_lora")  # noqa: B009 - nn.Module's __getattr__ would type it Tensor | Module
 
 
 def _head(model: nn.Module) -> nn.Module:
@@ -117,7 +122,7 @@ def _head(model: nn.Module) -> nn.Module:
 
 
 def _peft_config(model: nn.Module):
-    return getattr(model, "peft_config")[ADAPTER]
+    return getattr(model, "peft_config")[ADAPTER]  # noqa: B009 - nn.Module's __getattr__ would type it Tensor | Module
 
 
 def trainable_named(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -212,7 +217,7 @@ def copy_adapter_layout(src: nn.Module, dst: nn.Module) -> nn.Module:
     dst = inject_adapter_in_model(_peft_config(src), dst, adapter_name=ADAPTER)
     for p in dst.parameters():
         p.requires_grad_(False)
-    setattr(dst, "_fastcov_lora", dict(lora_info(src)))
+    setattr(dst, "_fastcov_lora", dict(lora_info(src)))  # noqa: B010 - nn.Module's __setattr__ would type it Tensor | Module
     return dst
 
 
@@ -256,7 +261,7 @@ class AdapterSync:
     def __init__(self, model: nn.Module, root: Path, keep: int = 2):
         self.config = adapter_config_dict(model)
         self.rank = int(lora_info(model)["rank"])
-        self.quant = {n: getattr(p, "quant_state") for n, p in model.named_parameters()
+        self.quant = {n: getattr(p, "quant_state") for n, p in model.named_parameters()  # noqa: B009 - a Parameter's quant_state is bitsandbytes', not torch's
                       if getattr(p, "quant_state", None) is not None}
         self.root = Path(root)
         self.keep = keep

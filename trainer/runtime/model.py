@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -16,6 +16,9 @@ from torch import nn
 from fastcov.errors import ConfigError
 from fastcov.trainer.runtime.lora import has_adapters, is_adapter_dir, lora_enabled
 from fastcov.trainer.runtime.precision import param_dtype  # noqa: F401 - re-exported
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 def _tokenizer_class(name: str) -> str | None:
@@ -31,9 +34,10 @@ def _tokenizer_class(name: str) -> str | None:
         return None
 
 
-def load_tokenizer(mcfg):
+def load_tokenizer(mcfg) -> PreTrainedTokenizerBase:
     """The tokenizer for a ModelConfig; pad token set (falls back to eos)."""
     name = mcfg.tokenizer or mcfg.path
+    tok: PreTrainedTokenizerBase
     if name == "builtin:arith":
         from fastcov.trainer.data.synthetic import build_tokenizer
 
@@ -255,7 +259,7 @@ def check_model_source(mcfg, names: tuple[str, str] = ("model.path", "model.toke
     download or write. Hub ids (``org/name`` that is not a local path) are left to transformers.
     ``names``: how the error calls the model and tokenizer settings (config keys, or CLI flags).
     ``adapters_ok``: a saved LoRA adapter (adapter_config.json) is a model too (evaluation)."""
-    for key, value in zip(names, (mcfg.path, mcfg.tokenizer)):
+    for key, value in zip(names, (mcfg.path, mcfg.tokenizer), strict=True):
         if value is None or value.startswith("builtin:"):
             continue
         p = Path(value).expanduser()

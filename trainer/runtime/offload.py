@@ -11,14 +11,14 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable
-from typing import ContextManager
 
 import torch
 
 _said_once = False
 
 
-def activation_offload(enabled: bool, device: torch.device, force: bool = False) -> Callable[[], ContextManager]:
+def activation_offload(enabled: bool, device: torch.device,
+                       force: bool = False) -> Callable[[], contextlib.AbstractContextManager]:
     """A factory of the context the training forward runs in: ``save_on_cpu`` when ``enabled`` on a GPU
     (or ``force``, for tests on CPU), else a null context."""
     global _said_once

@@ -167,7 +167,7 @@ class DeepSpeedPolicy:
             yield from bucket
 
     @contextmanager
-    def gathered_model(self):
+    def gathered_model(self) -> Iterator[torch.nn.Module]:
         """The HF model with all parameters gathered (ZeRO-3) for saving or evaluation."""
         lm = self.policy.lm
         if self.zero_stage == 3:

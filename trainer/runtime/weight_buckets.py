@@ -128,7 +128,7 @@ class Bucket:
         self.tensors = tensors
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return iter(zip(self.names, self.tensors))
+        return iter(zip(self.names, self.tensors, strict=True))
 
     def __len__(self) -> int:
         return len(self.names)
@@ -161,7 +161,7 @@ class Bucket:
             if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() < meta.nbytes:
                 raise ValueError(f"Bucket.flatten: out must be a 1-D uint8 tensor of >= {meta.nbytes} bytes")
             flat = out[: meta.nbytes]
-        for t, off in zip(self.tensors, meta.offsets):
+        for t, off in zip(self.tensors, meta.offsets, strict=True):
             n = t.numel() * t.element_size()
             flat[off : off + n].view(t.dtype).copy_(t.reshape(-1))
         return flat
@@ -173,7 +173,7 @@ def unflatten(flat: torch.Tensor, meta: BucketMeta) -> list[tuple[str, torch.Ten
         raise ValueError(f"unflatten: need a 1-D uint8 tensor of >= {meta.nbytes} bytes, "
                          f"got {flat.dtype} {tuple(flat.shape)}")
     out = []
-    for name, shape, dt, off in zip(meta.names, meta.shapes, meta.dtypes, meta.offsets):
+    for name, shape, dt, off in zip(meta.names, meta.shapes, meta.dtypes, meta.offsets, strict=True):
         dtype = dtype_from_name(dt)
         n = math.prod(shape) * dtype.itemsize
         if off % ALIGN or off + n > meta.nbytes:

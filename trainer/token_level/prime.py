@@ -38,7 +38,7 @@ def response_logprobs(model, seqs, pad_id: int, device: torch.device, batch_kw: 
             res = model(**mb.model_inputs(), temperature=temperature, entropy=False)
             if mb.weight == 0:
                 continue
-            for si, (row, start, n) in zip(mb.seq_index, mb.spans):
+            for si, (row, start, n) in zip(mb.seq_index, mb.spans, strict=True):
                 out[si] = res.logprob[row, start : start + n].float().tolist()
     return out
 
@@ -121,7 +121,7 @@ class ImplicitPRM(FrozenModel):
             rm = torch.zeros((len(mb.spans), width), device=device)
             ref = torch.zeros((len(mb.spans), width), device=device)
             mask = torch.zeros((len(mb.spans), width), dtype=torch.bool, device=device)
-            for k, (si, (row, start, n)) in enumerate(zip(mb.seq_index, mb.spans)):
+            for k, (si, (row, start, n)) in enumerate(zip(mb.seq_index, mb.spans, strict=True)):
                 rm[k, :n] = res.logprob[row, start : start + n]
                 ref[k, :n] = torch.tensor(ref_logprobs[si], device=device)
                 mask[k, :n] = True
