@@ -17,6 +17,7 @@ pytest.importorskip("transformers")
 from fastcov.trainer import entropy_control  # noqa: E402
 from fastcov.trainer import train as train_mod  # noqa: E402
 from fastcov.trainer.config import ConfigError, load_config  # noqa: E402
+from fastcov.trainer.rewards import RewardFn  # noqa: E402
 from fastcov.trainer.runtime.batch import Sequence  # noqa: E402
 from fastcov.trainer.runtime.run_dir import read_metrics  # noqa: E402
 
@@ -27,7 +28,7 @@ VOLATILE = ("time/", "tokens_per_s")
 
 @pytest.fixture(autouse=True)
 def varied_rewards(monkeypatch):
-    monkeypatch.setattr(train_mod.RewardFn, "__call__", lambda self, text, truth: float(len(text) % 2))
+    monkeypatch.setattr(RewardFn, "__call__", lambda self, text, truth: float(len(text) % 2))
 
 
 def tiny(tmp_path, name, *overrides):
@@ -166,7 +167,7 @@ def _ranks_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     os.environ.update({"DS_ACCELERATOR": "cpu", "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
     torch.set_num_threads(1)
-    train_mod.RewardFn.__call__ = lambda self, text, truth: float(len(text) % 2)
+    RewardFn.__call__ = lambda self, text, truth: float(len(text) % 2)
     cfg = load_config(TINY, [f"trainer.run_dir={out_dir}/run", "trainer.max_steps=3", "reward.sandbox=inline",
                              "trainer.eval_every=0", "rollout.seeding=per_sample", *CONTROL])
     train_mod.train(cfg)
