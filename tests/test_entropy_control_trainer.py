@@ -126,7 +126,7 @@ def test_on_policy_kl_cov_warns_once_in_one_line(over, warned):
      "algo.entropy_control.knob"),
     (["algo.entropy_control.target=0.3", "algo.entropy_control.rule=proportional"], "algo.entropy_control.min"),
     (["algo.entropy_control.target=0.3", "algo.entropy_control.delta=0.1", "algo.entropy_control.knob=pos_weight",
-      "algo.pos_weight_schedule=true"], "algo.entropy_control.knob"),
+      "algo.pos_weight.enabled=true"], "algo.entropy_control.knob"),
     (["algo.entropy_control.target=0.3", "algo.entropy_control.delta=0.1", "algo.entropy_control.knob=clip_cov_ratio",
       "algo.entropy_control.gate=true"], "algo.entropy_control.gate"),
     (["algo.entropy_control.target=0.3", "algo.entropy_control.delta=0.1", "algo.entropy_control.init=2.0"],

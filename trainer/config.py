@@ -217,6 +217,104 @@ class EntropyAdvantageConfig:
 
 
 @dataclass
+class PosWeightConfig:
+    """Jin et al. 2025 ("Revisiting Entropy in RL for Large Reasoning Models"): the loss of tokens with A > 0 is
+    multiplied by lambda. Off: lambda = algo.pos_adv_weight. On: lambda follows
+    fastcov.schedules.PositiveWeightSchedule, stepped once per training step (docs/papers.md):
+      entropy (the paper's): lambda starts at init (0) and after each step moves by -delta when the rollout entropy
+        H < target_entropy (delta 0.2), +delta otherwise (Delta 0.05), clipped to [0, 1];
+      stage: stages [[step, lambda], ...] (first at step 0); epoch: values, one per steps_per_epoch steps;
+      constant: init forever."""
+
+    enabled: bool = False
+    kind: Literal["entropy", "stage", "epoch", "constant"] = "entropy"
+    init: float = 0.0
+    target_entropy: float = 0.2
+    delta: float = 0.05
+    stages: list[tuple[int, float]] = field(default_factory=list)
+    values: list[float] = field(default_factory=list)
+    steps_per_epoch: int = 0
+
+    def schedule_args(self) -> dict[str, tuple[str, Any, Any]]:
+        """PositiveWeightSchedule's keyword arguments for this kind: argument -> (this section's key, the value,
+        a value the schedule always accepts)."""
+        if self.kind == "entropy":
+            return {"init": ("init", self.init, 0.0), "threshold": ("target_entropy", self.target_entropy, 0.2),
+                    "step_size": ("delta", self.delta, 0.05)}
+        if self.kind == "constant":
+            return {"init": ("init", self.init, 1.0)}
+        if self.kind == "stage":
+            return {"stages": ("stages", self.stages, [(0, 1.0)])}
+        return {"values": ("values", self.values, [1.0]),
+                "steps_per_epoch": ("steps_per_epoch", self.steps_per_epoch or None, 1)}
+
+    def schedule(self):
+        """The lambda schedule this section describes (fastcov.schedules.PositiveWeightSchedule)."""
+        from fastcov.schedules import PositiveWeightSchedule
+
+        return PositiveWeightSchedule(self.kind, **{arg: v[1] for arg, v in self.schedule_args().items()})
+
+    def validate(self, prefix: str = "algo.pos_weight") -> None:
+        """When enabled, the schedule must build; a refusal names the key whose value alone the schedule
+        refuses (the others set to values it accepts) with the schedule's reason, else the first key of the kind."""
+        if not self.enabled:
+            return
+        try:
+            self.schedule()
+        except ValueError as exc:
+            from fastcov.schedules import PositiveWeightSchedule
+
+            args = self.schedule_args()
+            key, why = next(iter(args.values()))[0], exc
+            for arg, (name, _, _) in args.items():
+                try:
+                    PositiveWeightSchedule(self.kind, **{a: (v[1] if a == arg else v[2]) for a, v in args.items()})
+                except ValueError as alone:
+                    key, why = name, alone
+                    break
+            raise ConfigError(f"{prefix}.{key}: {why}") from None
+
+
+# algo.pos_weight_<key> (0.4.0 and earlier) -> algo.pos_weight.<key>
+RENAMED_POS_WEIGHT_KEYS = {"pos_weight_schedule": "enabled", "pos_weight_kind": "kind", "pos_weight_init": "init",
+                           "pos_weight_target_entropy": "target_entropy", "pos_weight_delta": "delta",
+                           "pos_weight_stages": "stages", "pos_weight_values": "values",
+                           "pos_weight_steps_per_epoch": "steps_per_epoch"}
+
+
+# LossConfig's fields the algo section carries (fastcov.losses.LossConfig is their one source: names, defaults,
+# ranges); loss_scale_factor and check_finite are the trainer's to set.
+LOSS_FIELDS = tuple(f.name for f in dataclasses.fields(LossConfig)
+                    if f.name not in ("loss_scale_factor", "check_finite"))
+
+
+def loss_config(a: AlgoConfig, pos_adv_weight: float) -> LossConfig:
+    """The LossConfig of one update from the run's ``algo`` section (λ from its schedule)."""
+    return LossConfig(**{**{k: getattr(a, k) for k in LOSS_FIELDS}, "pos_adv_weight": pos_adv_weight},
+                      check_finite=False)  # a non-finite loss skips the step instead of raising
+
+
+def _check_loss_fields(a: AlgoConfig) -> None:
+    """LossConfig checks the ranges of its fields; a refusal names the algo key whose value alone LossConfig
+    refuses (the others at their defaults, a bound's partner at a value that never refuses it), else the
+    first of the pair it refuses together."""
+    try:
+        loss_config(a, a.pos_adv_weight)
+    except ValueError as exc:
+        partner = {"clip_cov_lb": {"clip_cov_ub": math.inf}, "clip_cov_ub": {"clip_cov_lb": -math.inf},
+                   "cispo_clip_min": {"cispo_clip_max": max(a.cispo_clip_min or 0.0, LossConfig.cispo_clip_max)}}
+        tries = [{k: getattr(a, k), **partner.get(k, {})} for k in LOSS_FIELDS]
+        tries += [{k: getattr(a, k) for k in pair} for pair in (("clip_cov_lb", "clip_cov_ub"),
+                                                                 ("cispo_clip_min", "cispo_clip_max"))]
+        for kwargs in tries:
+            try:
+                LossConfig(**kwargs)
+            except ValueError as alone:
+                raise ConfigError(f"algo.{next(iter(kwargs))}: {alone}") from None
+        raise ConfigError(f"algo.clip_cov_lb: {exc}") from None  # not reached: a pair above refuses
+
+
+@dataclass
 class AlgoConfig:
     # prime: outcome + implicit process rewards, token-level (algo.prime); reinforce_pp with algo.kl_coef > 0:
     # REINFORCE++ with its token-level KL penalty (trainer/token_level/advantages.py).
@@ -252,21 +350,8 @@ class AlgoConfig:
     entropy_coef: float = LossConfig.entropy_coef
     pos_adv_weight: float = LossConfig.pos_adv_weight
     neg_adv_weight: float = LossConfig.neg_adv_weight
-    # Jin et al. 2025 ("Revisiting Entropy in RL for Large Reasoning Models"): the loss of tokens with A > 0 is
-    # multiplied by lambda. Off: lambda = pos_adv_weight. On: lambda follows fastcov.schedules.PositiveWeightSchedule,
-    # stepped once per training step (docs/papers.md):
-    #   entropy (the paper's): lambda starts at pos_weight_init (0) and after each step moves by -delta when the
-    #     rollout entropy H < pos_weight_target_entropy (delta 0.2), +delta otherwise (Delta 0.05), clipped to [0, 1];
-    #   stage: pos_weight_stages [[step, lambda], ...] (first at step 0); epoch: pos_weight_values, one per
-    #     pos_weight_steps_per_epoch steps; constant: pos_weight_init forever.
-    pos_weight_schedule: bool = False
-    pos_weight_kind: Literal["entropy", "stage", "epoch", "constant"] = "entropy"
-    pos_weight_init: float = 0.0
-    pos_weight_target_entropy: float = 0.2
-    pos_weight_delta: float = 0.05
-    pos_weight_stages: list[tuple[int, float]] = field(default_factory=list)
-    pos_weight_values: list[float] = field(default_factory=list)
-    pos_weight_steps_per_epoch: int = 0
+    # Jin et al.'s lambda on the loss of tokens with A > 0, on a schedule (PosWeightConfig; off: pos_adv_weight)
+    pos_weight: PosWeightConfig = field(default_factory=PosWeightConfig)
     high_entropy_fraction: float | None = LossConfig.high_entropy_fraction
     # random: KL-Cov's control (as many tokens, at random); random_matched: Clip-Cov's (as many as it picks with
     # c_t, uniformly among all valid tokens). Both log sel/jaccard_vs_cov (docs/design.md §4).
@@ -463,19 +548,8 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
 # ----------------------------------------------------------------------------------------------- values
 
 def positive_weight_schedule(a: AlgoConfig):
-    """The lambda schedule an ``algo`` section with ``pos_weight_schedule: true`` describes."""
-    from fastcov.schedules import PositiveWeightSchedule
-
-    kind = a.pos_weight_kind
-    if kind == "entropy":
-        return PositiveWeightSchedule("entropy", init=a.pos_weight_init, threshold=a.pos_weight_target_entropy,
-                                      step_size=a.pos_weight_delta)
-    if kind == "constant":
-        return PositiveWeightSchedule("constant", init=a.pos_weight_init)
-    if kind == "stage":
-        return PositiveWeightSchedule("stage", stages=a.pos_weight_stages)
-    return PositiveWeightSchedule("epoch", values=a.pos_weight_values,
-                                  steps_per_epoch=a.pos_weight_steps_per_epoch or None)
+    """The lambda schedule an ``algo`` section with ``pos_weight.enabled: true`` describes."""
+    return a.pos_weight.schedule()
 
 
 def _check(cond: bool, key: str, msg: str) -> None:
@@ -547,8 +621,6 @@ def _validate_lora(m: ModelConfig, cfg: Config) -> None:
     _check(m.lora_rank == 0 or cfg.rollout.engine != "vllm" or cfg.rollout.vllm_mode == "colocated",
            "model.lora_rank", "LoRA syncs its adapters to a colocated vLLM or the HF engine; vLLM servers take full "
            "weights (set rollout.vllm_mode=colocated or rollout.engine=hf)")
-    _check(not cfg.trainer.offload_activations or m.gradient_checkpointing, "trainer.offload_activations",
-           "offloads gradient checkpointing's saved activations: set model.gradient_checkpointing=true")
 
 
 def _validate_rollout_reward(r: RolloutConfig, cfg: Config) -> None:
@@ -583,30 +655,13 @@ def _validate_rollout_reward(r: RolloutConfig, cfg: Config) -> None:
 
 
 def _validate_algo(a: AlgoConfig, r: RolloutConfig, t: TrainerConfig) -> None:
+    _check_loss_fields(a)  # LossConfig's ranges; below, the trainer's narrower ones
     # clip_low = 1 opens the lower clip (ratio >= 0 always), as the paper's Clip-Cov runs do
     _check(0 <= a.clip_low <= 1, "algo.clip_low", f"must be in [0, 1], got {a.clip_low}")
-    _check(a.clip_high >= 0, "algo.clip_high", "must be >= 0")
-    _check(a.dual_clip_c is None or a.dual_clip_c > 1, "algo.dual_clip_c", "must be > 1")
-    for name in ("clip_cov_ratio", "kl_cov_ratio"):
-        v = getattr(a, name)
-        _check(0 < v <= 1, f"algo.{name}", f"must be in (0, 1], got {v}")
-    _check(a.clip_cov_lb < a.clip_cov_ub, "algo.clip_cov_lb", "must be < algo.clip_cov_ub")
-    _check(a.kl_cov_coef >= 0, "algo.kl_cov_coef", "must be >= 0")
     for name in ("pos_adv_weight", "neg_adv_weight"):
         v = getattr(a, name)
         _check(0 <= v <= 1, f"algo.{name}", f"must be in [0, 1], got {v}")
-    if a.pos_weight_schedule:
-        try:
-            positive_weight_schedule(a)
-        except ValueError as exc:
-            msg = str(exc)
-            key = next((k for word, k in (("threshold", "pos_weight_target_entropy"), ("step_size", "pos_weight_delta"),
-                                          ("steps_per_epoch", "pos_weight_steps_per_epoch"),
-                                          ("stage", "pos_weight_stages"), ("values", "pos_weight_values"))
-                        if word in msg), "pos_weight_init")
-            raise ConfigError(f"algo.{key}: {msg}") from None
-    _check(a.high_entropy_fraction is None or 0 < a.high_entropy_fraction <= 1,
-           "algo.high_entropy_fraction", "must be in (0, 1]")
+    a.pos_weight.validate()
     _check(a.ppo_epochs >= 1, "algo.ppo_epochs", "must be >= 1")
     _check(a.mini_batches >= 1, "algo.mini_batches", "must be >= 1")
     _check(a.mini_batches <= t.prompts_per_step, "algo.mini_batches", "must be <= trainer.prompts_per_step")
@@ -658,8 +713,8 @@ def _validate_entropy_control(a: AlgoConfig) -> None:
     _check(modes is None or a.mode in modes, "algo.entropy_control.knob",
            f"{c.knob} acts only in algo.mode {' / '.join(modes or ())}, not {a.mode}: "
            "it would move a value nothing reads")
-    _check(not (c.knob == "pos_weight" and a.pos_weight_schedule), "algo.entropy_control.knob",
-           "pos_weight is already scheduled by algo.pos_weight_schedule; use one of the two")
+    _check(not (c.knob == "pos_weight" and a.pos_weight.enabled), "algo.entropy_control.knob",
+           "pos_weight is already scheduled by algo.pos_weight.enabled; use one of the two")
     try:
         entropy_controller(a)
     except ValueError as exc:
@@ -668,7 +723,7 @@ def _validate_entropy_control(a: AlgoConfig) -> None:
         raise ConfigError(f"algo.entropy_control.{key}: {msg}") from None
 
 
-def _validate_optim_trainer(o: OptimConfig, t: TrainerConfig) -> None:
+def _validate_optim_trainer(o: OptimConfig, t: TrainerConfig, m: ModelConfig) -> None:
     _check(o.lr > 0, "optim.lr", f"must be > 0, got {o.lr}")
     _check(o.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
     _check(all(0 <= b < 1 for b in o.betas), "optim.betas", "must be in [0, 1)")
@@ -689,6 +744,8 @@ def _validate_optim_trainer(o: OptimConfig, t: TrainerConfig) -> None:
     _check(t.save_every >= 0, "trainer.save_every", "must be >= 0")
     _check(t.save_every_minutes >= 0, "trainer.save_every_minutes", "must be >= 0 (0 = off)")
     _check(t.keep_last >= 1, "trainer.keep_last", "must be >= 1")
+    _check(not t.offload_activations or m.gradient_checkpointing, "trainer.offload_activations",
+           "offloads gradient checkpointing's saved activations: set model.gradient_checkpointing=true")
 
 
 def validate(cfg: Config) -> Config:
@@ -699,7 +756,7 @@ def validate(cfg: Config) -> Config:
     _validate_rollout_reward(cfg.rollout, cfg)
     _validate_algo(cfg.algo, cfg.rollout, cfg.trainer)
     _validate_entropy_control(cfg.algo)
-    _validate_optim_trainer(cfg.optim, cfg.trainer)
+    _validate_optim_trainer(cfg.optim, cfg.trainer, cfg.model)
     _validate_rollout_correction(cfg)
     return cfg
 
@@ -732,10 +789,6 @@ def _validate_rollout_correction(cfg: Config) -> None:
         except (ValueError, TypeError) as exc:
             key = "rejection" if "criteria" in str(exc) else "rejection_threshold"
             raise ConfigError(f"algo.rollout_correction.{key}: {exc}") from None
-    for name in ("cispo_clip_max", "sapo_tau_pos", "sapo_tau_neg"):
-        _check(getattr(a, name) > 0, f"algo.{name}", f"must be > 0, got {getattr(a, name)}")
-    _check(a.cispo_clip_min is None or 0 < a.cispo_clip_min <= a.cispo_clip_max, "algo.cispo_clip_min",
-           "must be in (0, cispo_clip_max]")
     _check(rc.off_policy_mask_threshold is None or rc.off_policy_mask_threshold >= 0,
            "algo.rollout_correction.off_policy_mask_threshold", "must be >= 0")
     if a.mode in SELECTION_FREE_MODES:
@@ -778,9 +831,30 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
+def _map_renamed_keys(data: dict[str, Any]) -> None:
+    """algo.pos_weight_<key> -> algo.pos_weight.<key>, in place, with a one-line warning naming the new key;
+    the old and the new key both set is an error."""
+    import warnings
+
+    algo = data.get("algo")
+    if not isinstance(algo, dict):
+        return
+    for old, new in RENAMED_POS_WEIGHT_KEYS.items():
+        if old not in algo:
+            continue
+        section = algo.setdefault("pos_weight", {})
+        if not isinstance(section, dict):
+            return  # _build says what is wrong with algo.pos_weight
+        if new in section:
+            raise ConfigError(f"algo.{old}: renamed algo.pos_weight.{new}, which is set too; keep only the new key")
+        warnings.warn(f"algo.{old} is deprecated: use algo.pos_weight.{new}", FutureWarning, stacklevel=3)
+        section[new] = algo.pop(old)
+
+
 def config_from_dict(data: dict[str, Any]) -> Config:
     if not isinstance(data, dict):
         raise ConfigError(f"config: expected a mapping at the top level, got {type(data).__name__}")
+    _map_renamed_keys(data)
     return validate(_build(Config, data, ""))
 
 

@@ -159,7 +159,7 @@ def start_run(cfg: Config, resume, overwrite: bool, closing: contextlib.ExitStac
             "select": torch.Generator(device=device).manual_seed(t.seed * 1_000_033 + rank + 17)}
     run = Run(cfg, device, rank, world, Path(t.run_dir), tokenizer, train_set, val_set, engine, rollout, reward_fn,
               token_adv, PromptSampler(len(train_set), t.seed), gens,
-              positive_weight_schedule(a) if a.pos_weight_schedule else None,  # Jin et al.'s λ
+              positive_weight_schedule(a) if a.pos_weight.enabled else None,  # Jin et al.'s λ
               {"skipped_steps": 0, "filtered_groups": 0, "reward_timeouts": 0})
     run.entropy_ctl = entropy_control.start(a, rank)  # algo.entropy_control (None when off); KL-Cov's warning
     if resume_path is not None:

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from fastcov.advantages import dapo_filter, get_advantage
 from fastcov.losses import LossConfig, Selection, compute_global_selection, get_policy_loss, policy_loss
 from fastcov.trainer import entropy_control
-from fastcov.trainer.config import Config, rollout_correction_enabled
+from fastcov.trainer.config import Config, loss_config, rollout_correction_enabled
 from fastcov.trainer.rollout import SamplingParams
 from fastcov.trainer.rollout.base import sample_seed
 from fastcov.trainer.rollout_correction import correct_rollouts
@@ -49,21 +49,6 @@ from fastcov.trainer.runtime.run_dir import save_is_due
 from fastcov.trainer.start import Run, StopFlag, start_run
 from fastcov.trainer.step_metrics import LOSS_METRICS, SELECTION_DIAGNOSTICS, UpdateStats, step_metrics, timed
 from fastcov.trainer.token_level.advantages import prime_keep
-
-
-def loss_config(a, pos_adv_weight: float) -> LossConfig:
-    """The LossConfig of one update from the run's ``algo`` section (λ from its schedule)."""
-    return LossConfig(
-        clip_low=a.clip_low, clip_high=a.clip_high, dual_clip_c=a.dual_clip_c,
-        clip_cov_ratio=a.clip_cov_ratio, clip_cov_lb=a.clip_cov_lb, clip_cov_ub=a.clip_cov_ub,
-        kl_cov_ratio=a.kl_cov_ratio, kl_cov_coef=a.kl_cov_coef, entropy_coef=a.entropy_coef,
-        pos_adv_weight=pos_adv_weight, neg_adv_weight=a.neg_adv_weight,
-        high_entropy_fraction=a.high_entropy_fraction, cov_score=a.cov_score,
-        cispo_clip_max=a.cispo_clip_max, cispo_clip_min=a.cispo_clip_min, sapo_tau_pos=a.sapo_tau_pos,
-        sapo_tau_neg=a.sapo_tau_neg,
-        check_finite=False,  # a non-finite loss skips the step instead of raising
-    )
-
 
 # ---------------------------------------------------------------------------------------- steps 1-3
 
