@@ -55,6 +55,23 @@ class ModelConfig:
     # 4bit: QLoRA, the frozen base's Linear layers in NF4 (bitsandbytes, extra `fastcov[lora]`); needs lora_rank > 0.
     quantization: Literal["none", "4bit"] = "none"
 
+    def validate(self) -> None:
+        """Range checks of this section's own fields; raises ConfigError naming the key."""
+        m = self
+        _check((m.path is None) != (m.arch is None), "model.path",
+               "set exactly one of model.path (pretrained) and model.arch (fresh model)")
+        if m.arch is not None:
+            _check("model_type" in m.arch, "model.arch.model_type", "required (e.g. qwen2)")
+        _check(m.path is not None or m.tokenizer is not None, "model.tokenizer",
+               "required when the model is built from model.arch")
+        _check(m.lora_rank >= 0, "model.lora_rank", f"must be >= 0 (0 = off), got {m.lora_rank}")
+        _check(m.lora_alpha > 0, "model.lora_alpha", f"must be > 0, got {m.lora_alpha}")
+        _check(0 <= m.lora_dropout < 1, "model.lora_dropout", f"must be in [0, 1), got {m.lora_dropout}")
+        _check(bool(m.lora_targets) and all(bool(t) for t in m.lora_targets), "model.lora_targets",
+               "give at least one module name (e.g. q_proj)")
+        _check(m.quantization == "none" or m.lora_rank > 0, "model.quantization",
+               "a 4-bit base cannot train: set model.lora_rank > 0 (QLoRA)")
+
 
 @dataclass
 class SyntheticConfig:
@@ -81,6 +98,20 @@ class DataConfig:
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     # At most this many validation prompts are evaluated (0 = all).
     max_val_prompts: int = 0
+
+    def validate(self) -> None:
+        """Range checks of this section's own fields; raises ConfigError naming the key."""
+        d = self
+        _check(bool(d.train_files) or d.synthetic.enabled, "data.train_files",
+               "give parquet files or enable data.synthetic")
+        _check(0.0 <= d.val_fraction < 1.0, "data.val_fraction", f"must be in [0, 1), got {d.val_fraction}")
+        _check(d.max_prompt_len > 0, "data.max_prompt_len", "must be > 0")
+        _check(d.max_val_prompts >= 0, "data.max_val_prompts", "must be >= 0")
+        s = d.synthetic
+        _check(s.n_train > 0, "data.synthetic.n_train", "must be > 0")
+        _check(s.n_val >= 0, "data.synthetic.n_val", "must be >= 0")
+        _check(1 <= s.min_ops <= s.max_ops, "data.synthetic.min_ops", "need 1 <= min_ops <= max_ops")
+        _check(s.max_value >= 2, "data.synthetic.max_value", "must be >= 2")
 
 
 @dataclass
@@ -113,6 +144,29 @@ class RolloutConfig:
     vllm_gpu_memory_utilization: float = 0.5  # colocated: fraction of each GPU vLLM may take
     vllm_server_urls: list[str] = field(default_factory=list)  # e.g. [http://host:8000]
 
+    def validate(self) -> None:
+        """Range checks of this section's own fields; raises ConfigError naming the key."""
+        r = self
+        _check(r.n >= 1, "rollout.n", f"must be >= 1, got {r.n}")
+        _check(r.temperature > 0, "rollout.temperature", f"must be > 0, got {r.temperature}")
+        _check(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
+        _check(r.max_new_tokens > 0, "rollout.max_new_tokens", "must be > 0")
+        _check(r.batch_size >= 0, "rollout.batch_size", "must be >= 0")
+        _check(0 <= r.sync_bucket_mb < float("inf"), "rollout.sync_bucket_mb",
+               f"must be >= 0 (0 = per tensor), got {r.sync_bucket_mb}")
+        _check(r.vllm_tensor_parallel_size >= 1, "rollout.vllm_tensor_parallel_size",
+               f"must be >= 1, got {r.vllm_tensor_parallel_size}")
+        _check(0 < r.vllm_gpu_memory_utilization <= 1, "rollout.vllm_gpu_memory_utilization",
+               f"must be in (0, 1], got {r.vllm_gpu_memory_utilization}")
+        for i, url in enumerate(r.vllm_server_urls):
+            _check(url.startswith(("http://", "https://")), f"rollout.vllm_server_urls[{i}]",
+                   f"must start with http:// or https://, got {url!r}")
+        if r.engine == "vllm" and r.vllm_mode == "server":
+            _check(bool(r.vllm_server_urls), "rollout.vllm_server_urls",
+                   "give at least one server URL when rollout.vllm_mode=server")
+        _check(not (r.vllm_server_urls and (r.engine != "vllm" or r.vllm_mode != "server")),
+               "rollout.vllm_server_urls", "only used with rollout.engine=vllm and rollout.vllm_mode=server")
+
 
 @dataclass
 class CodeRewardConfig:
@@ -141,6 +195,18 @@ class RewardConfig:
     sandbox: Literal["process", "inline"] = "process"
     # Size of the math-verify worker pool (process sandbox); 0: min(4, CPU count).
     workers: int = 0
+
+    def validate(self) -> None:
+        """Range checks of this section's own fields; raises ConfigError naming the key."""
+        _check(self.timeout_s > 0, "reward.timeout_s", "must be > 0")
+        _check(self.workers >= 0, "reward.workers", f"must be >= 0 (0 = automatic), got {self.workers}")
+        c = self.code
+        _check(c.cpu_s > 0 and c.wall_s > 0, "reward.code.cpu_s", "cpu_s and wall_s must be > 0")
+        _check(c.memory_mb >= 32, "reward.code.memory_mb", f"must be >= 32, got {c.memory_mb}")
+        _check(c.nproc >= 1, "reward.code.nproc", f"must be >= 1, got {c.nproc}")
+        _check(c.max_output_kb > 0, "reward.code.max_output_kb", "must be > 0")
+        _check(c.sandbox_fusion_url is None or c.sandbox_fusion_url.startswith(("http://", "https://")),
+               "reward.code.sandbox_fusion_url", "must start with http:// or https://")
 
 
 @dataclass
@@ -270,7 +336,7 @@ class PosWeightConfig:
                 try:
                     PositiveWeightSchedule(self.kind, **{a: (v[1] if a == arg else v[2]) for a, v in args.items()})
                 except ValueError as alone:
-                    key, why = name, alone
+                    key, why = name, _without_name(alone, arg)
                     break
             raise ConfigError(f"{prefix}.{key}: {why}") from None
 
@@ -310,8 +376,15 @@ def _check_loss_fields(a: AlgoConfig) -> None:
             try:
                 LossConfig(**kwargs)
             except ValueError as alone:
-                raise ConfigError(f"algo.{next(iter(kwargs))}: {alone}") from None
+                key = next(iter(kwargs))
+                raise ConfigError(f"algo.{key}: {_without_name(alone, key)}") from None
         raise ConfigError(f"algo.clip_cov_lb: {exc}") from None  # not reached: a pair above refuses
+
+
+def _without_name(exc: Exception, name: str) -> str:
+    """The library's message without its leading argument name: the config key that replaces it says which."""
+    msg = str(exc)
+    return msg[len(name) + 1:] if msg.startswith(name + " ") else msg
 
 
 @dataclass
@@ -367,6 +440,32 @@ class AlgoConfig:
     entropy_control: EntropyControlConfig = field(default_factory=EntropyControlConfig)
     entropy_advantage: EntropyAdvantageConfig = field(default_factory=EntropyAdvantageConfig)
 
+    def validate(self) -> None:
+        """Range checks of this section's own fields; raises ConfigError naming the key (the loss keys' ranges
+        are fastcov.losses.LossConfig's, the schedule's PosWeightConfig's)."""
+        a = self
+        _check_loss_fields(a)  # LossConfig's ranges; below, the trainer's narrower ones
+        # clip_low = 1 opens the lower clip (ratio >= 0 always), as the paper's Clip-Cov runs do
+        _check(0 <= a.clip_low <= 1, "algo.clip_low", f"must be in [0, 1], got {a.clip_low}")
+        for name in ("pos_adv_weight", "neg_adv_weight"):
+            v = getattr(a, name)
+            _check(0 <= v <= 1, f"algo.{name}", f"must be in [0, 1], got {v}")
+        a.pos_weight.validate()
+        _check(a.ppo_epochs >= 1, "algo.ppo_epochs", "must be >= 1")
+        _check(a.mini_batches >= 1, "algo.mini_batches", "must be >= 1")
+        _check(a.kl_coef >= 0, "algo.kl_coef", f"must be >= 0, got {a.kl_coef}")
+        _check(a.kl_coef == 0 or a.adv_estimator == "reinforce_pp", "algo.kl_coef",
+               "the token-level KL penalty is REINFORCE++'s: set algo.adv_estimator=reinforce_pp (or kl_coef 0)")
+        pr = a.prime
+        _check(pr.beta > 0, "algo.prime.beta", f"must be > 0, got {pr.beta}")
+        _check(pr.lr > 0, "algo.prime.lr", f"must be > 0, got {pr.lr}")
+        _check(pr.outcome_coef >= 0 and pr.process_coef >= 0, "algo.prime.outcome_coef", "coefficients must be >= 0")
+        _check(0 <= pr.acc_low <= pr.acc_high <= 1, "algo.prime.acc_low", "need 0 <= acc_low <= acc_high <= 1")
+        _check(a.max_gen_batches >= 0, "algo.max_gen_batches",
+               f"must be >= 0 (0 = until full), got {a.max_gen_batches}")
+        _check(a.max_gen_batches == 1 or a.dapo_filter, "algo.max_gen_batches",
+               "refilling only applies to DAPO's filter: set algo.dapo_filter=true (or max_gen_batches 1)")
+
 
 @dataclass
 class OptimConfig:
@@ -378,6 +477,16 @@ class OptimConfig:
     warmup_steps: int = 0
     min_lr_ratio: float = 0.0  # cosine floor, as a fraction of lr
     grad_clip: float = 1.0
+
+    def validate(self) -> None:
+        """Range checks of this section's own fields; raises ConfigError naming the key."""
+        o = self
+        _check(o.lr > 0, "optim.lr", f"must be > 0, got {o.lr}")
+        _check(o.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
+        _check(all(0 <= b < 1 for b in o.betas), "optim.betas", "must be in [0, 1)")
+        _check(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
+        _check(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", "must be in [0, 1]")
+        _check(o.grad_clip >= 0, "optim.grad_clip", "must be >= 0 (0 disables)")
 
 
 @dataclass
@@ -425,6 +534,24 @@ class TrainerConfig:
     tensorboard: bool = False
     wandb: bool = False
     wandb_project: str = "fastcov"
+
+    def validate(self) -> None:
+        """Range checks of this section's own fields; raises ConfigError naming the key."""
+        t = self
+        _check(t.max_steps >= 0, "trainer.max_steps", "must be >= 0")
+        _check(t.prompts_per_step >= 1, "trainer.prompts_per_step", "must be >= 1")
+        _check(t.micro_token_budget >= 1, "trainer.micro_token_budget", "must be >= 1")
+        _check(t.threads >= 0, "trainer.threads", f"must be >= 0 (0 = torch's default), got {t.threads}")
+        _check(t.collective_timeout_s >= 0, "trainer.collective_timeout_s",
+               f"must be >= 0 (0 = DeepSpeed's default), got {t.collective_timeout_s}")
+        _check(t.zero_stage in (0, 1, 2, 3), "trainer.zero_stage", f"must be 0, 1, 2 or 3, got {t.zero_stage}")
+        _check(not t.offload_optimizer or t.zero_stage >= 1, "trainer.offload_optimizer",
+               "offloading the optimizer states needs trainer.zero_stage >= 1")
+        _check(t.eval_every >= 0, "trainer.eval_every", "must be >= 0")
+        _check(t.eval_k >= 1, "trainer.eval_k", "must be >= 1")
+        _check(t.save_every >= 0, "trainer.save_every", "must be >= 0")
+        _check(t.save_every_minutes >= 0, "trainer.save_every_minutes", "must be >= 0 (0 = off)")
+        _check(t.keep_last >= 1, "trainer.keep_last", "must be >= 1")
 
 
 @dataclass
@@ -589,100 +716,6 @@ def _check_registered(cfg: Config) -> None:
            f"random_matched is a control of a token selection, and algo.mode={a.mode} selects none (clip_cov, kl_cov)")
 
 
-def _validate_model_data(m: ModelConfig, d: DataConfig) -> None:
-    _check((m.path is None) != (m.arch is None), "model.path",
-           "set exactly one of model.path (pretrained) and model.arch (fresh model)")
-    if m.arch is not None:
-        _check("model_type" in m.arch, "model.arch.model_type", "required (e.g. qwen2)")
-    _check(m.path is not None or m.tokenizer is not None, "model.tokenizer",
-           "required when the model is built from model.arch")
-    _check(bool(d.train_files) or d.synthetic.enabled, "data.train_files",
-           "give parquet files or enable data.synthetic")
-    _check(0.0 <= d.val_fraction < 1.0, "data.val_fraction", f"must be in [0, 1), got {d.val_fraction}")
-    _check(d.max_prompt_len > 0, "data.max_prompt_len", "must be > 0")
-    _check(d.max_val_prompts >= 0, "data.max_val_prompts", "must be >= 0")
-    s = d.synthetic
-    _check(s.n_train > 0, "data.synthetic.n_train", "must be > 0")
-    _check(s.n_val >= 0, "data.synthetic.n_val", "must be >= 0")
-    _check(1 <= s.min_ops <= s.max_ops, "data.synthetic.min_ops", "need 1 <= min_ops <= max_ops")
-    _check(s.max_value >= 2, "data.synthetic.max_value", "must be >= 2")
-
-
-def _validate_lora(m: ModelConfig, cfg: Config) -> None:
-    _check(m.lora_rank >= 0, "model.lora_rank", f"must be >= 0 (0 = off), got {m.lora_rank}")
-    _check(m.lora_alpha > 0, "model.lora_alpha", f"must be > 0, got {m.lora_alpha}")
-    _check(0 <= m.lora_dropout < 1, "model.lora_dropout", f"must be in [0, 1), got {m.lora_dropout}")
-    _check(bool(m.lora_targets) and all(bool(t) for t in m.lora_targets), "model.lora_targets",
-           "give at least one module name (e.g. q_proj)")
-    _check(m.quantization == "none" or m.lora_rank > 0, "model.quantization",
-           "a 4-bit base cannot train: set model.lora_rank > 0 (QLoRA)")
-    _check(m.quantization == "none" or cfg.trainer.zero_stage < 3, "model.quantization",
-           "ZeRO-3 cannot partition 4-bit weights; use trainer.zero_stage 0-2")
-    _check(m.lora_rank == 0 or cfg.rollout.engine != "vllm" or cfg.rollout.vllm_mode == "colocated",
-           "model.lora_rank", "LoRA syncs its adapters to a colocated vLLM or the HF engine; vLLM servers take full "
-           "weights (set rollout.vllm_mode=colocated or rollout.engine=hf)")
-
-
-def _validate_rollout_reward(r: RolloutConfig, cfg: Config) -> None:
-    _check(r.n >= 1, "rollout.n", f"must be >= 1, got {r.n}")
-    _check(r.temperature > 0, "rollout.temperature", f"must be > 0, got {r.temperature}")
-    _check(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
-    _check(r.max_new_tokens > 0, "rollout.max_new_tokens", "must be > 0")
-    _check(r.batch_size >= 0, "rollout.batch_size", "must be >= 0")
-    _check(0 <= r.sync_bucket_mb < float("inf"), "rollout.sync_bucket_mb",
-           f"must be >= 0 (0 = per tensor), got {r.sync_bucket_mb}")
-    _check(r.vllm_tensor_parallel_size >= 1, "rollout.vllm_tensor_parallel_size",
-           f"must be >= 1, got {r.vllm_tensor_parallel_size}")
-    _check(0 < r.vllm_gpu_memory_utilization <= 1, "rollout.vllm_gpu_memory_utilization",
-           f"must be in (0, 1], got {r.vllm_gpu_memory_utilization}")
-    for i, url in enumerate(r.vllm_server_urls):
-        _check(url.startswith(("http://", "https://")), f"rollout.vllm_server_urls[{i}]",
-               f"must start with http:// or https://, got {url!r}")
-    if r.engine == "vllm" and r.vllm_mode == "server":
-        _check(bool(r.vllm_server_urls), "rollout.vllm_server_urls",
-               "give at least one server URL when rollout.vllm_mode=server")
-    _check(not (r.vllm_server_urls and (r.engine != "vllm" or r.vllm_mode != "server")),
-           "rollout.vllm_server_urls", "only used with rollout.engine=vllm and rollout.vllm_mode=server")
-    _check(cfg.reward.timeout_s > 0, "reward.timeout_s", "must be > 0")
-    _check(cfg.reward.workers >= 0, "reward.workers", f"must be >= 0 (0 = automatic), got {cfg.reward.workers}")
-    c = cfg.reward.code
-    _check(c.cpu_s > 0 and c.wall_s > 0, "reward.code.cpu_s", "cpu_s and wall_s must be > 0")
-    _check(c.memory_mb >= 32, "reward.code.memory_mb", f"must be >= 32, got {c.memory_mb}")
-    _check(c.nproc >= 1, "reward.code.nproc", f"must be >= 1, got {c.nproc}")
-    _check(c.max_output_kb > 0, "reward.code.max_output_kb", "must be > 0")
-    _check(c.sandbox_fusion_url is None or c.sandbox_fusion_url.startswith(("http://", "https://")),
-           "reward.code.sandbox_fusion_url", "must start with http:// or https://")
-
-
-def _validate_algo(a: AlgoConfig, r: RolloutConfig, t: TrainerConfig) -> None:
-    _check_loss_fields(a)  # LossConfig's ranges; below, the trainer's narrower ones
-    # clip_low = 1 opens the lower clip (ratio >= 0 always), as the paper's Clip-Cov runs do
-    _check(0 <= a.clip_low <= 1, "algo.clip_low", f"must be in [0, 1], got {a.clip_low}")
-    for name in ("pos_adv_weight", "neg_adv_weight"):
-        v = getattr(a, name)
-        _check(0 <= v <= 1, f"algo.{name}", f"must be in [0, 1], got {v}")
-    a.pos_weight.validate()
-    _check(a.ppo_epochs >= 1, "algo.ppo_epochs", "must be >= 1")
-    _check(a.mini_batches >= 1, "algo.mini_batches", "must be >= 1")
-    _check(a.mini_batches <= t.prompts_per_step, "algo.mini_batches", "must be <= trainer.prompts_per_step")
-    _check(t.prompts_per_step % a.mini_batches == 0, "algo.mini_batches",
-           f"{a.mini_batches} does not divide trainer.prompts_per_step={t.prompts_per_step}; pick a divisor "
-           "so every mini-batch holds the same number of prompts")
-    if a.adv_estimator in ("grpo", "dr_grpo", "rloo", "prime"):
-        _check(r.n >= 2, "rollout.n", f"{a.adv_estimator} needs >= 2 rollouts per prompt")
-    _check(a.kl_coef >= 0, "algo.kl_coef", f"must be >= 0, got {a.kl_coef}")
-    _check(a.kl_coef == 0 or a.adv_estimator == "reinforce_pp", "algo.kl_coef",
-           "the token-level KL penalty is REINFORCE++'s: set algo.adv_estimator=reinforce_pp (or kl_coef 0)")
-    pr = a.prime
-    _check(pr.beta > 0, "algo.prime.beta", f"must be > 0, got {pr.beta}")
-    _check(pr.lr > 0, "algo.prime.lr", f"must be > 0, got {pr.lr}")
-    _check(pr.outcome_coef >= 0 and pr.process_coef >= 0, "algo.prime.outcome_coef", "coefficients must be >= 0")
-    _check(0 <= pr.acc_low <= pr.acc_high <= 1, "algo.prime.acc_low", "need 0 <= acc_low <= acc_high <= 1")
-    _check(a.max_gen_batches >= 0, "algo.max_gen_batches", f"must be >= 0 (0 = until full), got {a.max_gen_batches}")
-    _check(a.max_gen_batches == 1 or a.dapo_filter, "algo.max_gen_batches",
-           "refilling only applies to DAPO's filter: set algo.dapo_filter=true (or max_gen_batches 1)")
-
-
 # knob -> (the algo field whose value it replaces, the modes it acts in; None: any)
 ENTROPY_KNOBS = {"entropy_coef": ("entropy_coef", None), "kl_cov_coef": ("kl_cov_coef", ("kl_cov",)),
                  "kl_cov_ratio": ("kl_cov_ratio", ("kl_cov",)), "clip_cov_ratio": ("clip_cov_ratio", ("clip_cov",)),
@@ -723,40 +756,32 @@ def _validate_entropy_control(a: AlgoConfig) -> None:
         raise ConfigError(f"algo.entropy_control.{key}: {msg}") from None
 
 
-def _validate_optim_trainer(o: OptimConfig, t: TrainerConfig, m: ModelConfig) -> None:
-    _check(o.lr > 0, "optim.lr", f"must be > 0, got {o.lr}")
-    _check(o.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
-    _check(all(0 <= b < 1 for b in o.betas), "optim.betas", "must be in [0, 1)")
-    _check(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
-    _check(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", "must be in [0, 1]")
-    _check(o.grad_clip >= 0, "optim.grad_clip", "must be >= 0 (0 disables)")
-    _check(t.max_steps >= 0, "trainer.max_steps", "must be >= 0")
-    _check(t.prompts_per_step >= 1, "trainer.prompts_per_step", "must be >= 1")
-    _check(t.micro_token_budget >= 1, "trainer.micro_token_budget", "must be >= 1")
-    _check(t.threads >= 0, "trainer.threads", f"must be >= 0 (0 = torch's default), got {t.threads}")
-    _check(t.collective_timeout_s >= 0, "trainer.collective_timeout_s",
-           f"must be >= 0 (0 = DeepSpeed's default), got {t.collective_timeout_s}")
-    _check(t.zero_stage in (0, 1, 2, 3), "trainer.zero_stage", f"must be 0, 1, 2 or 3, got {t.zero_stage}")
-    _check(not t.offload_optimizer or t.zero_stage >= 1, "trainer.offload_optimizer",
-           "offloading the optimizer states needs trainer.zero_stage >= 1")
-    _check(t.eval_every >= 0, "trainer.eval_every", "must be >= 0")
-    _check(t.eval_k >= 1, "trainer.eval_k", "must be >= 1")
-    _check(t.save_every >= 0, "trainer.save_every", "must be >= 0")
-    _check(t.save_every_minutes >= 0, "trainer.save_every_minutes", "must be >= 0 (0 = off)")
-    _check(t.keep_last >= 1, "trainer.keep_last", "must be >= 1")
+def _validate_across(cfg: Config) -> None:
+    """The checks that read more than one section."""
+    m, a, r, t = cfg.model, cfg.algo, cfg.rollout, cfg.trainer
+    _check(m.quantization == "none" or t.zero_stage < 3, "model.quantization",
+           "ZeRO-3 cannot partition 4-bit weights; use trainer.zero_stage 0-2")
+    _check(m.lora_rank == 0 or r.engine != "vllm" or r.vllm_mode == "colocated",
+           "model.lora_rank", "LoRA syncs its adapters to a colocated vLLM or the HF engine; vLLM servers take full "
+           "weights (set rollout.vllm_mode=colocated or rollout.engine=hf)")
     _check(not t.offload_activations or m.gradient_checkpointing, "trainer.offload_activations",
            "offloads gradient checkpointing's saved activations: set model.gradient_checkpointing=true")
+    _check(a.mini_batches <= t.prompts_per_step, "algo.mini_batches", "must be <= trainer.prompts_per_step")
+    _check(t.prompts_per_step % a.mini_batches == 0, "algo.mini_batches",
+           f"{a.mini_batches} does not divide trainer.prompts_per_step={t.prompts_per_step}; pick a divisor "
+           "so every mini-batch holds the same number of prompts")
+    if a.adv_estimator in ("grpo", "dr_grpo", "rloo", "prime"):
+        _check(r.n >= 2, "rollout.n", f"{a.adv_estimator} needs >= 2 rollouts per prompt")
 
 
 def validate(cfg: Config) -> Config:
-    """Range checks that types cannot express, section by section; raises ConfigError naming the key."""
+    """Range checks that types cannot express: each section's own (its ``validate()``, next to its fields),
+    then those across sections; raises ConfigError naming the key."""
     _check_registered(cfg)
-    _validate_model_data(cfg.model, cfg.data)
-    _validate_lora(cfg.model, cfg)
-    _validate_rollout_reward(cfg.rollout, cfg)
-    _validate_algo(cfg.algo, cfg.rollout, cfg.trainer)
+    for section in (cfg.model, cfg.data, cfg.rollout, cfg.reward, cfg.algo, cfg.optim, cfg.trainer):
+        section.validate()
+    _validate_across(cfg)
     _validate_entropy_control(cfg.algo)
-    _validate_optim_trainer(cfg.optim, cfg.trainer, cfg.model)
     _validate_rollout_correction(cfg)
     return cfg
 
