@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Literal
 
 import torch
 
@@ -46,7 +47,8 @@ from fastcov.selection import (
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 SCOPES = ("microbatch", "global")
-COV_SCORES = ("batch", "vocab", "random", "random_matched")
+CovScore = Literal["batch", "vocab", "random", "random_matched"]
+COV_SCORES: tuple[CovScore, ...] = ("batch", "vocab", "random", "random_matched")
 RANDOM_CONTROLS = ("random", "random_matched")
 
 
@@ -102,7 +104,7 @@ class LossConfig:
     pos_adv_weight: float = 1.0
     neg_adv_weight: float = 1.0
     high_entropy_fraction: float | None = None
-    cov_score: str = "batch"
+    cov_score: CovScore = "batch"
     loss_scale_factor: float | None = None
     check_finite: bool = True
 

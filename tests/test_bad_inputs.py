@@ -121,7 +121,7 @@ CLI = [
     Case("clip-low-range", lambda t: ["train", TINY, "algo.clip_low=1.5"], r"algo\.clip_low: must be in \[0, 1\]"),
     Case("clip-high-nan", lambda t: ["train", TINY, "algo.clip_high=.nan"], r"algo\.clip_high: must be a finite"),
     Case("clip-cov-ratio", lambda t: ["train", TINY, "algo.clip_cov_ratio=2"], r"algo\.clip_cov_ratio: must be in \(0, 1\]"),
-    Case("kl-beta-negative", lambda t: ["train", TINY, "algo.kl_cov_coef=-1"], r"algo\.kl_cov_coef: must be >= 0"),
+    Case("kl-beta-negative", lambda t: ["train", TINY, "algo.kl_cov_coef=-1"], r"algo\.kl_cov_coef: must be (>=|≥) 0"),
     Case("kl-beta-inf", lambda t: ["train", TINY, "algo.kl_cov_coef=.inf"], r"algo\.kl_cov_coef: must be a finite"),
     Case("temperature-zero", lambda t: ["train", TINY, "rollout.temperature=0"], r"rollout\.temperature: must be > 0"),
     Case("temperature-inf", lambda t: ["train", TINY, "rollout.temperature=.inf"], r"rollout\.temperature: must be a finite"),

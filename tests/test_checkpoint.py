@@ -124,8 +124,9 @@ pytest.importorskip("transformers")
 @pytest.fixture(autouse=False)
 def varied_rewards(monkeypatch):
     from fastcov.trainer import train as train_mod
+    from fastcov.trainer.rewards import RewardFn
 
-    monkeypatch.setattr(train_mod.RewardFn, "__call__", lambda self, text, truth: float(len(text) % 2))
+    monkeypatch.setattr(RewardFn, "__call__", lambda self, text, truth: float(len(text) % 2))
     return train_mod
 
 

@@ -90,3 +90,63 @@ def test_every_loss_hyperparameter_reaches_the_loss():
     for name, value in values.items():
         assert getattr(cfg, name) == (0.45 if name == "pos_adv_weight" else value), name
     assert cfg.check_finite is False
+
+
+def test_the_old_flat_pos_weight_keys_still_work_with_one_line_naming_the_new_key():
+    with pytest.warns(FutureWarning) as seen:
+        old = load_config(TINY, ["algo.pos_weight_schedule=true", "algo.pos_weight_kind=stage",
+                                 "algo.pos_weight_stages=[[0, 0.5], [2, 0.9]]"])
+    assert [str(w.message) for w in seen] == [f"algo.pos_weight_{k} is deprecated: use algo.pos_weight.{n}"
+                                              for k, n in (("schedule", "enabled"), ("kind", "kind"),
+                                                           ("stages", "stages"))]
+    new = load_config(TINY, ["algo.pos_weight.enabled=true", "algo.pos_weight.kind=stage",
+                             "algo.pos_weight.stages=[[0, 0.5], [2, 0.9]]"])
+    assert old == new and new.algo.pos_weight.stages == [(0, 0.5), (2, 0.9)]
+    with pytest.raises(ConfigError, match=r"^algo\.pos_weight_delta: renamed algo\.pos_weight\.delta"):
+        load_config(TINY, ["algo.pos_weight_delta=0.1", "algo.pos_weight.delta=0.2"])
+
+
+@pytest.mark.parametrize("overrides, named", [
+    (["algo.pos_weight.delta=2"], "algo.pos_weight.delta"),
+    (["algo.pos_weight.target_entropy=-1"], "algo.pos_weight.target_entropy"),
+    (["algo.pos_weight.kind=constant", "algo.pos_weight.init=3"], "algo.pos_weight.init"),
+    (["algo.pos_weight.kind=stage", "algo.pos_weight.stages=[[1, 0.5]]"], "algo.pos_weight.stages"),
+    (["algo.pos_weight.kind=epoch"], "algo.pos_weight.values"),
+    (["algo.pos_weight.kind=epoch", "algo.pos_weight.values=[0.5]"], "algo.pos_weight.steps_per_epoch"),
+])
+def test_a_bad_pos_weight_schedule_names_its_key(overrides, named):
+    with pytest.raises(ConfigError, match="^" + named.replace(".", r"\.") + ":"):
+        load_config(TINY, ["algo.pos_weight.enabled=true", *overrides])
+
+
+@pytest.mark.parametrize("overrides, named", [
+    (["algo.clip_cov_lb=2", "algo.clip_cov_ub=1"], "algo.clip_cov_lb"),
+    (["algo.cispo_clip_min=9"], "algo.cispo_clip_min"),
+    (["algo.cispo_clip_max=0"], "algo.cispo_clip_max"),
+    (["algo.sapo_tau_neg=0"], "algo.sapo_tau_neg"),
+    (["algo.kl_cov_ratio=2"], "algo.kl_cov_ratio"),
+    (["algo.high_entropy_fraction=0"], "algo.high_entropy_fraction"),
+    (["algo.dual_clip_c=1"], "algo.dual_clip_c"),
+    (["algo.clip_low=1.5"], "algo.clip_low"),  # the trainer's bound, narrower than LossConfig's
+    (["algo.neg_adv_weight=2"], "algo.neg_adv_weight"),
+])
+def test_loss_ranges_are_losscfgs_and_name_the_algo_key(overrides, named):
+    with pytest.raises(ConfigError, match="^" + named.replace(".", r"\.") + ":"):
+        load_config(TINY, overrides)
+
+
+def test_the_algo_section_carries_every_losscfg_field_with_its_default():
+    import dataclasses
+
+    from fastcov.losses import LossConfig
+    from fastcov.trainer.config import LOSS_FIELDS, AlgoConfig
+
+    algo = AlgoConfig()
+    assert set(LOSS_FIELDS) == {f.name for f in dataclasses.fields(LossConfig)} - {"loss_scale_factor", "check_finite"}
+    assert all(getattr(algo, k) == getattr(LossConfig(), k) for k in LOSS_FIELDS)
+
+
+def test_offload_activations_is_checked_with_the_trainer_section_not_lora():
+    with pytest.raises(ConfigError, match=r"^trainer\.offload_activations:"):
+        load_config(TINY, ["trainer.offload_activations=true"])
+    load_config(TINY, ["trainer.offload_activations=true", "model.gradient_checkpointing=true"])

@@ -17,6 +17,7 @@ pytest.importorskip("transformers")
 from fastcov.trainer import entropy_control
 from fastcov.trainer import train as train_mod
 from fastcov.trainer.config import ConfigError, load_config
+from fastcov.trainer.rewards import RewardFn
 from fastcov.trainer.runtime.batch import Sequence
 from fastcov.trainer.runtime.run_dir import read_metrics
 
@@ -27,7 +28,7 @@ VOLATILE = ("time/", "tokens_per_s")
 
 @pytest.fixture(autouse=True)
 def varied_rewards(monkeypatch):
-    monkeypatch.setattr(train_mod.RewardFn, "__call__", lambda self, text, truth: float(len(text) % 2))
+    monkeypatch.setattr(RewardFn, "__call__", lambda self, text, truth: float(len(text) % 2))
 
 
 def tiny(tmp_path, name, *overrides):
@@ -125,7 +126,7 @@ def test_on_policy_kl_cov_warns_once_in_one_line(over, warned):
      "algo.entropy_control.knob"),
     (["algo.entropy_control.target=0.3", "algo.entropy_control.rule=proportional"], "algo.entropy_control.min"),
     (["algo.entropy_control.target=0.3", "algo.entropy_control.delta=0.1", "algo.entropy_control.knob=pos_weight",
-      "algo.pos_weight_schedule=true"], "algo.entropy_control.knob"),
+      "algo.pos_weight.enabled=true"], "algo.entropy_control.knob"),
     (["algo.entropy_control.target=0.3", "algo.entropy_control.delta=0.1", "algo.entropy_control.knob=clip_cov_ratio",
       "algo.entropy_control.gate=true"], "algo.entropy_control.gate"),
     (["algo.entropy_control.target=0.3", "algo.entropy_control.delta=0.1", "algo.entropy_control.init=2.0"],
@@ -173,7 +174,7 @@ def _ranks_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     os.environ.update({"DS_ACCELERATOR": "cpu", "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
     torch.set_num_threads(1)
-    train_mod.RewardFn.__call__ = lambda self, text, truth: float(len(text) % 2)
+    RewardFn.__call__ = lambda self, text, truth: float(len(text) % 2)
     cfg = load_config(TINY, [f"trainer.run_dir={out_dir}/run", "trainer.max_steps=3", "reward.sandbox=inline",
                              "trainer.eval_every=0", "rollout.seeding=per_sample", *CONTROL])
     train_mod.train(cfg)

@@ -39,14 +39,15 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch
 torch.set_num_threads(1)
 from fastcov.trainer import train as train_mod
+from fastcov.trainer.rewards import RewardFn
 from fastcov.trainer.runtime import checkpoint as ckpt_mod
-from fastcov.trainer.runtime import metrics as metrics_mod
+from fastcov.trainer.runtime import run_log as run_log_mod
 from fastcov.trainer.runtime import policy as engine_mod
 from fastcov.trainer.config import load_config
 
 run_dir, mode, steps, fault = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 # An untrained model never answers right: reward odd-length responses so advantages are non-zero.
-train_mod.RewardFn.__call__ = lambda self, text, truth: float(len(text) % 2)
+RewardFn.__call__ = lambda self, text, truth: float(len(text) % 2)
 point, _, nth = fault.partition(":")
 nth = int(nth or 0)
 calls = {}
@@ -76,7 +77,7 @@ wrap(engine_mod.DeepSpeedPolicy, "save", "in_ds_save")        # DeepSpeed files 
 wrap(train_mod, "export_final", "in_export", before=True)  # the last checkpoint is out, final/ is not
 # inside a rewrite of a run file (config.yaml, metrics.jsonl's trim on resume): new bytes on disk, not yet renamed
 ckpt_mod.REWRITE_HOOKS.append(lambda path, at: at == "written" and hit("in_rewrite") and die())
-real_log = metrics_mod.MetricsLogger.log
+real_log = run_log_mod.MetricsLogger.log
 def log(self, record):
     if hit("torn_metrics"):
         line = self._f.write  # write half a row, flushed to the file, then die
@@ -86,7 +87,7 @@ def log(self, record):
         self._f.flush()
         die()
     return real_log(self, record)
-metrics_mod.MetricsLogger.log = log
+run_log_mod.MetricsLogger.log = log
 
 cfg = load_config(os.environ["FASTCOV_TINY"], [f"trainer.run_dir={run_dir}", "reward.sandbox=inline",
                   f"trainer.max_steps={steps}", "trainer.save_every=1", "trainer.keep_last=2",

@@ -14,8 +14,10 @@ pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
+from fastcov.trainer import start as start_mod
 from fastcov.trainer import train as train_mod
 from fastcov.trainer.config import ConfigError, load_config
+from fastcov.trainer.rewards import RewardFn
 from fastcov.trainer.runtime.run_dir import read_metrics
 from fastcov.trainer.token_level import advantages as adv_mod
 from fastcov.trainer.token_level.prime import AdaptersOffReference, FrozenModel
@@ -31,7 +33,7 @@ QLORA = [*LORA, "model.quantization=4bit", "model.arch.hidden_size=64", "model.a
 @pytest.fixture(autouse=True)
 def varied_rewards(monkeypatch):
     """An untrained model never answers right; reward odd-length responses so advantages are non-zero."""
-    monkeypatch.setattr(train_mod.RewardFn, "__call__", lambda self, text, truth: float(len(text) % 2))
+    monkeypatch.setattr(RewardFn, "__call__", lambda self, text, truth: float(len(text) % 2))
 
 
 def tiny(tmp_path, name, *overrides):
@@ -79,14 +81,14 @@ def test_unknown_target_module_is_a_config_error(tmp_path):
 def _snapshot(monkeypatch):
     """Every tensor of the model right after it is built (before any step), by name."""
     built = {}
-    real = train_mod.build_model
+    real = start_mod.build_model
 
     def spy(*args, **kwargs):
         lm = real(*args, **kwargs)
         built.update({n: p.detach().clone() for n, p in lm.named_parameters()})
         return lm
 
-    monkeypatch.setattr(train_mod, "build_model", spy)
+    monkeypatch.setattr(start_mod, "build_model", spy)
     return built
 
 
@@ -331,7 +333,7 @@ def _capture(monkeypatch):
         seen["apply_args"] = (seqs, *args)
         return real_apply(self, seqs, *args)
 
-    monkeypatch.setattr(train_mod, "make_token_advantages", make)
+    monkeypatch.setattr(start_mod, "make_token_advantages", make)
     monkeypatch.setattr(adv_mod.TokenAdvantages, "apply", apply)
     return seen
 

@@ -9,6 +9,7 @@ pytest.importorskip("transformers")
 
 from fastcov.trainer import train as train_mod
 from fastcov.trainer.config import ConfigError, load_config
+from fastcov.trainer.rewards import RewardFn
 from fastcov.trainer.runtime.policy import ds_config
 
 TINY = "configs/tiny.yaml"
@@ -23,7 +24,7 @@ def test_offload_step_equals_the_on_device_step(tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 
     # rewards 0,1,0,1... in every group: non-zero advantages, so the step really moves the weights
-    monkeypatch.setattr(train_mod.RewardFn, "batch", lambda self, texts, truths: [float(i % 2) for i in range(len(texts))])
+    monkeypatch.setattr(RewardFn, "batch", lambda self, texts, truths: [float(i % 2) for i in range(len(texts))])
 
     from fastcov.trainer.runtime.run_dir import read_metrics
 

@@ -98,9 +98,10 @@ def test_prime_tiny_run_and_resume(tmp_path, monkeypatch):
     pytest.importorskip("transformers")
     from fastcov.trainer import train as train_mod
     from fastcov.trainer.config import load_config
+    from fastcov.trainer.rewards import RewardFn
     from fastcov.trainer.runtime.run_dir import read_metrics
 
-    monkeypatch.setattr(train_mod.RewardFn, "__call__", lambda self, text, truth: float(len(text) % 2))
+    monkeypatch.setattr(RewardFn, "__call__", lambda self, text, truth: float(len(text) % 2))
 
     def cfg(name):
         return load_config("configs/tiny.yaml", [

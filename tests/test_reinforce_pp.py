@@ -41,9 +41,10 @@ def test_tiny_run_token_level_kl_and_batch_normalisation(tmp_path, monkeypatch):
     pytest.importorskip("transformers")
     from fastcov.trainer import train as train_mod
     from fastcov.trainer.config import load_config
+    from fastcov.trainer.rewards import RewardFn
     from fastcov.trainer.runtime.run_dir import read_metrics
 
-    monkeypatch.setattr(train_mod.RewardFn, "__call__", lambda self, text, truth: float(len(text) % 2))
+    monkeypatch.setattr(RewardFn, "__call__", lambda self, text, truth: float(len(text) % 2))
     seen = []
     real = train_mod.update_policy
 
@@ -86,9 +87,10 @@ def test_zero3_reference_is_the_gathered_starting_policy(tmp_path, monkeypatch):
     pytest.importorskip("transformers")
     from fastcov.trainer import train as train_mod
     from fastcov.trainer.config import load_config
+    from fastcov.trainer.rewards import RewardFn
     from fastcov.trainer.runtime.run_dir import read_metrics
 
-    monkeypatch.setattr(train_mod.RewardFn, "__call__", lambda self, text, truth: float(len(text) % 2))
+    monkeypatch.setattr(RewardFn, "__call__", lambda self, text, truth: float(len(text) % 2))
     cfg = load_config("configs/tiny.yaml", [
         f"trainer.run_dir={tmp_path / 'z3'}", "reward.sandbox=inline", "algo.adv_estimator=reinforce_pp",
         "algo.kl_coef=0.5", "algo.mode=vanilla", "trainer.max_steps=1", "trainer.eval_every=0",

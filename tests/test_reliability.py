@@ -26,9 +26,10 @@ BASE = ["reward.sandbox=inline", "trainer.eval_every=0", "trainer.max_steps=2"]
 @pytest.fixture
 def train_mod(monkeypatch):
     from fastcov.trainer import train as train_mod
+    from fastcov.trainer.rewards import RewardFn
 
     # an untrained model never answers right: reward odd-length responses so advantages are non-zero
-    monkeypatch.setattr(train_mod.RewardFn, "__call__", lambda self, text, truth: float(len(text) % 2))
+    monkeypatch.setattr(RewardFn, "__call__", lambda self, text, truth: float(len(text) % 2))
     return train_mod
 
 
@@ -85,16 +86,17 @@ def test_overwrite_then_a_user_error_lets_go_of_the_new_directory(tmp_path, trai
     """--overwrite moves the old run aside and locks the new directory; a user error after that must let go
     of the new lock (not the old one), so that the next run in the same process can take the directory."""
     from fastcov.errors import UserError
+    from fastcov.trainer import start as start_mod
     from fastcov.trainer.config import load_config
 
     run = tmp_path / "run"
     cfg = load_config(TINY, [f"trainer.run_dir={run}", *BASE, "trainer.max_steps=1"])
     train_mod.train(cfg)
-    real = train_mod.prepare_data
-    monkeypatch.setattr(train_mod, "prepare_data", lambda *a: (_ for _ in ()).throw(UserError("data: broken")))
+    real = start_mod.prepare_data
+    monkeypatch.setattr(start_mod, "prepare_data", lambda *a: (_ for _ in ()).throw(UserError("data: broken")))
     with pytest.raises(UserError, match="data: broken"):
         train_mod.train(cfg, overwrite=True)
-    monkeypatch.setattr(train_mod, "prepare_data", real)
+    monkeypatch.setattr(start_mod, "prepare_data", real)
     RunDirLock.acquire(run).release()  # free: a leaked lock of this process would refuse this (flock per fd)
     train_mod.train(cfg, overwrite=True)
     assert [r["step"] for r in read_metrics(run)] == [1]
@@ -143,7 +145,7 @@ def test_a_kill_inside_the_metrics_rewrite_loses_nothing(tmp_path, stage):
 
 
 def test_resuming_does_not_rewrite_metrics_again(tmp_path):
-    from fastcov.trainer.runtime.metrics import MetricsLogger
+    from fastcov.trainer.runtime.run_log import MetricsLogger
 
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1}\n{"step": 2}\n')

@@ -19,7 +19,8 @@ def test_study_file_carries_the_paper_values():
     assert list(study["arms"]) == ["grpo", "grpo_reweight", "kl_cov"]
     cfg = load_config(ROOT / study["base"], ["model.path=/m"] + study["common"] + study["arms"]["grpo_reweight"])
     a = cfg.algo
-    assert a.pos_weight_schedule and (a.pos_weight_init, a.pos_weight_target_entropy, a.pos_weight_delta) == (0.0, 0.2, 0.05)
+    p = a.pos_weight
+    assert p.enabled and (p.init, p.target_entropy, p.delta) == (0.0, 0.2, 0.05)
     sched = positive_weight_schedule(a)
     assert sched.value == 0.0
     assert sched.step(entropy=0.3) == pytest.approx(0.05)  # H >= delta: lambda grows by Delta

@@ -49,17 +49,17 @@ def test_through_a_wrapping_error_and_not_for_others(peers):
 
 
 def test_the_loop_turns_it_into_one_line_with_the_checkpoint(peers, tmp_path):
-    from fastcov.trainer import train as train_mod
+    from fastcov.trainer.runtime import errors as errors_mod
 
     ckpt = tmp_path / "checkpoints" / "step_000002"
     ckpt.mkdir(parents=True)
     (ckpt / "trainer_state.json").write_text("{}")
     run = SimpleNamespace(rank=0, step=3, ckpt_root=tmp_path / "checkpoints")
-    with pytest.raises(train_mod.LostRankError) as info, train_mod._lost_rank_exit(run):
+    with pytest.raises(errors_mod.LostRankError) as info, errors_mod.lost_rank_exit(run):
         raise RuntimeError(CLOSED)
     line = str(info.value)
     assert "\n" not in line and info.value.exit_code == 1
     assert line.startswith("lost rank 2 (host c, 10.231.0.3)") and "(at step 3)" in line
     assert f"the last intact checkpoint is {ckpt};" in line and line.endswith("--resume")
-    with pytest.raises(RuntimeError, match="something else"), train_mod._lost_rank_exit(run):
+    with pytest.raises(RuntimeError, match="something else"), errors_mod.lost_rank_exit(run):
         raise RuntimeError("something else")

@@ -14,6 +14,7 @@ pytest.importorskip("transformers")
 
 from fastcov.trainer import train as train_mod
 from fastcov.trainer.config import load_config
+from fastcov.trainer.rewards import RewardFn
 from fastcov.trainer.runtime.run_dir import read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -24,7 +25,7 @@ VOLATILE = ("time/", "tokens_per_s")
 @pytest.fixture(autouse=True)
 def varied_rewards(monkeypatch):
     """An untrained model never answers right; reward odd-length responses so advantages are non-zero."""
-    monkeypatch.setattr(train_mod.RewardFn, "__call__", lambda self, text, truth: float(len(text) % 2))
+    monkeypatch.setattr(RewardFn, "__call__", lambda self, text, truth: float(len(text) % 2))
 
 
 def tiny(tmp_path, name, *overrides):
@@ -142,7 +143,7 @@ def _mostly_uniform_rewards(self, texts, truths):
 
 @pytest.mark.parametrize("max_gen_batches", [0, 2])
 def test_dapo_refill_fills_the_batch_with_informative_groups(tmp_path, monkeypatch, max_gen_batches):
-    monkeypatch.setattr(train_mod.RewardFn, "batch", _mostly_uniform_rewards)
+    monkeypatch.setattr(RewardFn, "batch", _mostly_uniform_rewards)
     trained = []
     real_update = train_mod.update_policy
 

@@ -75,7 +75,7 @@ def _loss_config(cfg):
 
 def _fresh_lm(cfg, tokenizer):
     from fastcov.trainer.runtime.model import build_model
-    from fastcov.trainer.train import seed_everything
+    from fastcov.trainer.start import seed_everything
 
     seed_everything(SEED)
     return build_model(cfg.model, torch.device("cpu"), torch.float32, tokenizer)

@@ -20,6 +20,7 @@ pytest.importorskip("transformers")
 from fastcov.correction import rollout_correction
 from fastcov.trainer import train as train_mod
 from fastcov.trainer.config import ConfigError, load_config, rollout_correction_enabled
+from fastcov.trainer.rewards import RewardFn
 from fastcov.trainer.runtime.batch import Sequence
 from fastcov.trainer.runtime.run_dir import read_metrics
 
@@ -104,7 +105,7 @@ def test_correct_rollouts_stores_the_librarys_weights_and_logs_verls_metrics(tmp
 
 @pytest.mark.parametrize("mode", ["cispo", "sapo", "gspo", "vespo"])
 def test_a_step_of_each_mode_with_the_correction_logs_finite_metrics(tmp_path, mode, monkeypatch):
-    monkeypatch.setattr(train_mod.RewardFn, "__call__", lambda self, text, truth: float(len(text) % 2))
+    monkeypatch.setattr(RewardFn, "__call__", lambda self, text, truth: float(len(text) % 2))
     cfg = tiny(tmp_path, f"algo.mode={mode}", "trainer.max_steps=1", "trainer.eval_every=0",
                "algo.rollout_correction.enabled=true", "algo.rollout_correction.rejection=seq_mean_k3",
                "algo.rollout_correction.rejection_threshold=0.01", "algo.high_entropy_fraction=0.5")

@@ -26,8 +26,9 @@ def _worker(rank: int, world: int, port: int, out_dir: str, copies: str) -> None
     torch.set_num_threads(1)
     from fastcov.trainer import train as train_mod
     from fastcov.trainer.config import load_config
+    from fastcov.trainer.rewards import RewardFn
 
-    train_mod.RewardFn.__call__ = lambda self, text, truth: float(len(text) % 2)
+    RewardFn.__call__ = lambda self, text, truth: float(len(text) % 2)
     cfg = load_config(ROOT / "configs" / "tiny.yaml", [
         f"trainer.run_dir={out_dir}/run", "trainer.zero_stage=3", "trainer.max_steps=1",
         "trainer.eval_every=1", "reward.sandbox=inline", "algo.mini_batches=1", f"rollout.hf_copies={copies}",

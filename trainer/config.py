@@ -55,6 +55,23 @@ class ModelConfig:
     # 4bit: QLoRA, the frozen base's Linear layers in NF4 (bitsandbytes, extra `fastcov[lora]`); needs lora_rank > 0.
     quantization: Literal["none", "4bit"] = "none"
 
+    def validate(self) -> None:
+        """Range checks of this section's own fields; raises ConfigError naming the key."""
+        m = self
+        _check((m.path is None) != (m.arch is None), "model.path",
+               "set exactly one of model.path (pretrained) and model.arch (fresh model)")
+        if m.arch is not None:
+            _check("model_type" in m.arch, "model.arch.model_type", "required (e.g. qwen2)")
+        _check(m.path is not None or m.tokenizer is not None, "model.tokenizer",
+               "required when the model is built from model.arch")
+        _check(m.lora_rank >= 0, "model.lora_rank", f"must be >= 0 (0 = off), got {m.lora_rank}")
+        _check(m.lora_alpha > 0, "model.lora_alpha", f"must be > 0, got {m.lora_alpha}")
+        _check(0 <= m.lora_dropout < 1, "model.lora_dropout", f"must be in [0, 1), got {m.lora_dropout}")
+        _check(bool(m.lora_targets) and all(bool(t) for t in m.lora_targets), "model.lora_targets",
+               "give at least one module name (e.g. q_proj)")
+        _check(m.quantization == "none" or m.lora_rank > 0, "model.quantization",
+               "a 4-bit base cannot train: set model.lora_rank > 0 (QLoRA)")
+
 
 @dataclass
 class SyntheticConfig:
@@ -81,6 +98,20 @@ class DataConfig:
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     # At most this many validation prompts are evaluated (0 = all).
     max_val_prompts: int = 0
+
+    def validate(self) -> None:
+        """Range checks of this section's own fields; raises ConfigError naming the key."""
+        d = self
+        _check(bool(d.train_files) or d.synthetic.enabled, "data.train_files",
+               "give parquet files or enable data.synthetic")
+        _check(0.0 <= d.val_fraction < 1.0, "data.val_fraction", f"must be in [0, 1), got {d.val_fraction}")
+        _check(d.max_prompt_len > 0, "data.max_prompt_len", "must be > 0")
+        _check(d.max_val_prompts >= 0, "data.max_val_prompts", "must be >= 0")
+        s = d.synthetic
+        _check(s.n_train > 0, "data.synthetic.n_train", "must be > 0")
+        _check(s.n_val >= 0, "data.synthetic.n_val", "must be >= 0")
+        _check(1 <= s.min_ops <= s.max_ops, "data.synthetic.min_ops", "need 1 <= min_ops <= max_ops")
+        _check(s.max_value >= 2, "data.synthetic.max_value", "must be >= 2")
 
 
 @dataclass
@@ -113,6 +144,29 @@ class RolloutConfig:
     vllm_gpu_memory_utilization: float = 0.5  # colocated: fraction of each GPU vLLM may take
     vllm_server_urls: list[str] = field(default_factory=list)  # e.g. [http://host:8000]
 
+    def validate(self) -> None:
+        """Range checks of this section's own fields; raises ConfigError naming the key."""
+        r = self
+        _check(r.n >= 1, "rollout.n", f"must be >= 1, got {r.n}")
+        _check(r.temperature > 0, "rollout.temperature", f"must be > 0, got {r.temperature}")
+        _check(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
+        _check(r.max_new_tokens > 0, "rollout.max_new_tokens", "must be > 0")
+        _check(r.batch_size >= 0, "rollout.batch_size", "must be >= 0")
+        _check(0 <= r.sync_bucket_mb < float("inf"), "rollout.sync_bucket_mb",
+               f"must be >= 0 (0 = per tensor), got {r.sync_bucket_mb}")
+        _check(r.vllm_tensor_parallel_size >= 1, "rollout.vllm_tensor_parallel_size",
+               f"must be >= 1, got {r.vllm_tensor_parallel_size}")
+        _check(0 < r.vllm_gpu_memory_utilization <= 1, "rollout.vllm_gpu_memory_utilization",
+               f"must be in (0, 1], got {r.vllm_gpu_memory_utilization}")
+        for i, url in enumerate(r.vllm_server_urls):
+            _check(url.startswith(("http://", "https://")), f"rollout.vllm_server_urls[{i}]",
+                   f"must start with http:// or https://, got {url!r}")
+        if r.engine == "vllm" and r.vllm_mode == "server":
+            _check(bool(r.vllm_server_urls), "rollout.vllm_server_urls",
+                   "give at least one server URL when rollout.vllm_mode=server")
+        _check(not (r.vllm_server_urls and (r.engine != "vllm" or r.vllm_mode != "server")),
+               "rollout.vllm_server_urls", "only used with rollout.engine=vllm and rollout.vllm_mode=server")
+
 
 @dataclass
 class CodeRewardConfig:
@@ -141,6 +195,18 @@ class RewardConfig:
     sandbox: Literal["process", "inline"] = "process"
     # Size of the math-verify worker pool (process sandbox); 0: min(4, CPU count).
     workers: int = 0
+
+    def validate(self) -> None:
+        """Range checks of this section's own fields; raises ConfigError naming the key."""
+        _check(self.timeout_s > 0, "reward.timeout_s", "must be > 0")
+        _check(self.workers >= 0, "reward.workers", f"must be >= 0 (0 = automatic), got {self.workers}")
+        c = self.code
+        _check(c.cpu_s > 0 and c.wall_s > 0, "reward.code.cpu_s", "cpu_s and wall_s must be > 0")
+        _check(c.memory_mb >= 32, "reward.code.memory_mb", f"must be >= 32, got {c.memory_mb}")
+        _check(c.nproc >= 1, "reward.code.nproc", f"must be >= 1, got {c.nproc}")
+        _check(c.max_output_kb > 0, "reward.code.max_output_kb", "must be > 0")
+        _check(c.sandbox_fusion_url is None or c.sandbox_fusion_url.startswith(("http://", "https://")),
+               "reward.code.sandbox_fusion_url", "must start with http:// or https://")
 
 
 @dataclass
@@ -217,6 +283,111 @@ class EntropyAdvantageConfig:
 
 
 @dataclass
+class PosWeightConfig:
+    """Jin et al. 2025 ("Revisiting Entropy in RL for Large Reasoning Models"): the loss of tokens with A > 0 is
+    multiplied by lambda. Off: lambda = algo.pos_adv_weight. On: lambda follows
+    fastcov.schedules.PositiveWeightSchedule, stepped once per training step (docs/papers.md):
+      entropy (the paper's): lambda starts at init (0) and after each step moves by -delta when the rollout entropy
+        H < target_entropy (delta 0.2), +delta otherwise (Delta 0.05), clipped to [0, 1];
+      stage: stages [[step, lambda], ...] (first at step 0); epoch: values, one per steps_per_epoch steps;
+      constant: init forever."""
+
+    enabled: bool = False
+    kind: Literal["entropy", "stage", "epoch", "constant"] = "entropy"
+    init: float = 0.0
+    target_entropy: float = 0.2
+    delta: float = 0.05
+    stages: list[tuple[int, float]] = field(default_factory=list)
+    values: list[float] = field(default_factory=list)
+    steps_per_epoch: int = 0
+
+    def schedule_args(self) -> dict[str, tuple[str, Any, Any]]:
+        """PositiveWeightSchedule's keyword arguments for this kind: argument -> (this section's key, the value,
+        a value the schedule always accepts)."""
+        if self.kind == "entropy":
+            return {"init": ("init", self.init, 0.0), "threshold": ("target_entropy", self.target_entropy, 0.2),
+                    "step_size": ("delta", self.delta, 0.05)}
+        if self.kind == "constant":
+            return {"init": ("init", self.init, 1.0)}
+        if self.kind == "stage":
+            return {"stages": ("stages", self.stages, [(0, 1.0)])}
+        return {"values": ("values", self.values, [1.0]),
+                "steps_per_epoch": ("steps_per_epoch", self.steps_per_epoch or None, 1)}
+
+    def schedule(self):
+        """The lambda schedule this section describes (fastcov.schedules.PositiveWeightSchedule)."""
+        from fastcov.schedules import PositiveWeightSchedule
+
+        return PositiveWeightSchedule(self.kind, **{arg: v[1] for arg, v in self.schedule_args().items()})
+
+    def validate(self, prefix: str = "algo.pos_weight") -> None:
+        """When enabled, the schedule must build; a refusal names the key whose value alone the schedule
+        refuses (the others set to values it accepts) with the schedule's reason, else the first key of the kind."""
+        if not self.enabled:
+            return
+        try:
+            self.schedule()
+        except ValueError as exc:
+            from fastcov.schedules import PositiveWeightSchedule
+
+            args = self.schedule_args()
+            key, why = next(iter(args.values()))[0], str(exc)
+            for arg, (name, _, _) in args.items():
+                try:
+                    PositiveWeightSchedule(self.kind, **{a: (v[1] if a == arg else v[2]) for a, v in args.items()})
+                except ValueError as alone:
+                    key, why = name, _without_name(alone, arg)
+                    break
+            raise ConfigError(f"{prefix}.{key}: {why}") from None
+
+
+# algo.pos_weight_<key> (0.4.0 and earlier) -> algo.pos_weight.<key>
+RENAMED_POS_WEIGHT_KEYS = {"pos_weight_schedule": "enabled", "pos_weight_kind": "kind", "pos_weight_init": "init",
+                           "pos_weight_target_entropy": "target_entropy", "pos_weight_delta": "delta",
+                           "pos_weight_stages": "stages", "pos_weight_values": "values",
+                           "pos_weight_steps_per_epoch": "steps_per_epoch"}
+
+
+# LossConfig's fields the algo section carries (fastcov.losses.LossConfig is their one source: names, defaults,
+# ranges); loss_scale_factor and check_finite are the trainer's to set.
+LOSS_FIELDS = tuple(f.name for f in dataclasses.fields(LossConfig)
+                    if f.name not in ("loss_scale_factor", "check_finite"))
+
+
+def loss_config(a: AlgoConfig, pos_adv_weight: float) -> LossConfig:
+    """The LossConfig of one update from the run's ``algo`` section (λ from its schedule)."""
+    return LossConfig(**{**{k: getattr(a, k) for k in LOSS_FIELDS}, "pos_adv_weight": pos_adv_weight},
+                      check_finite=False)  # a non-finite loss skips the step instead of raising
+
+
+def _check_loss_fields(a: AlgoConfig) -> None:
+    """LossConfig checks the ranges of its fields; a refusal names the algo key whose value alone LossConfig
+    refuses (the others at their defaults, a bound's partner at a value that never refuses it), else the
+    first of the pair it refuses together."""
+    try:
+        loss_config(a, a.pos_adv_weight)
+    except ValueError as exc:
+        partner = {"clip_cov_lb": {"clip_cov_ub": math.inf}, "clip_cov_ub": {"clip_cov_lb": -math.inf},
+                   "cispo_clip_min": {"cispo_clip_max": max(a.cispo_clip_min or 0.0, LossConfig.cispo_clip_max)}}
+        tries = [{k: getattr(a, k), **partner.get(k, {})} for k in LOSS_FIELDS]
+        tries += [{k: getattr(a, k) for k in pair} for pair in (("clip_cov_lb", "clip_cov_ub"),
+                                                                 ("cispo_clip_min", "cispo_clip_max"))]
+        for kwargs in tries:
+            try:
+                LossConfig(**kwargs)
+            except ValueError as alone:
+                key = next(iter(kwargs))
+                raise ConfigError(f"algo.{key}: {_without_name(alone, key)}") from None
+        raise ConfigError(f"algo.clip_cov_lb: {exc}") from None  # not reached: a pair above refuses
+
+
+def _without_name(exc: Exception, name: str) -> str:
+    """The library's message without its leading argument name: the config key that replaces it says which."""
+    msg = str(exc)
+    return msg[len(name) + 1:] if msg.startswith(name + " ") else msg
+
+
+@dataclass
 class AlgoConfig:
     # prime: outcome + implicit process rewards, token-level (algo.prime); reinforce_pp with algo.kl_coef > 0:
     # REINFORCE++ with its token-level KL penalty (trainer/token_level/advantages.py).
@@ -252,21 +423,8 @@ class AlgoConfig:
     entropy_coef: float = LossConfig.entropy_coef
     pos_adv_weight: float = LossConfig.pos_adv_weight
     neg_adv_weight: float = LossConfig.neg_adv_weight
-    # Jin et al. 2025 ("Revisiting Entropy in RL for Large Reasoning Models"): the loss of tokens with A > 0 is
-    # multiplied by lambda. Off: lambda = pos_adv_weight. On: lambda follows fastcov.schedules.PositiveWeightSchedule,
-    # stepped once per training step (docs/papers.md):
-    #   entropy (the paper's): lambda starts at pos_weight_init (0) and after each step moves by -delta when the
-    #     rollout entropy H < pos_weight_target_entropy (delta 0.2), +delta otherwise (Delta 0.05), clipped to [0, 1];
-    #   stage: pos_weight_stages [[step, lambda], ...] (first at step 0); epoch: pos_weight_values, one per
-    #     pos_weight_steps_per_epoch steps; constant: pos_weight_init forever.
-    pos_weight_schedule: bool = False
-    pos_weight_kind: Literal["entropy", "stage", "epoch", "constant"] = "entropy"
-    pos_weight_init: float = 0.0
-    pos_weight_target_entropy: float = 0.2
-    pos_weight_delta: float = 0.05
-    pos_weight_stages: list[tuple[int, float]] = field(default_factory=list)
-    pos_weight_values: list[float] = field(default_factory=list)
-    pos_weight_steps_per_epoch: int = 0
+    # Jin et al.'s lambda on the loss of tokens with A > 0, on a schedule (PosWeightConfig; off: pos_adv_weight)
+    pos_weight: PosWeightConfig = field(default_factory=PosWeightConfig)
     high_entropy_fraction: float | None = LossConfig.high_entropy_fraction
     # random: KL-Cov's control (as many tokens, at random); random_matched: Clip-Cov's (as many as it picks with
     # c_t, uniformly among all valid tokens). Both log sel/jaccard_vs_cov (docs/design.md §4).
@@ -282,6 +440,32 @@ class AlgoConfig:
     entropy_control: EntropyControlConfig = field(default_factory=EntropyControlConfig)
     entropy_advantage: EntropyAdvantageConfig = field(default_factory=EntropyAdvantageConfig)
 
+    def validate(self) -> None:
+        """Range checks of this section's own fields; raises ConfigError naming the key (the loss keys' ranges
+        are fastcov.losses.LossConfig's, the schedule's PosWeightConfig's)."""
+        a = self
+        _check_loss_fields(a)  # LossConfig's ranges; below, the trainer's narrower ones
+        # clip_low = 1 opens the lower clip (ratio >= 0 always), as the paper's Clip-Cov runs do
+        _check(0 <= a.clip_low <= 1, "algo.clip_low", f"must be in [0, 1], got {a.clip_low}")
+        for name in ("pos_adv_weight", "neg_adv_weight"):
+            v = getattr(a, name)
+            _check(0 <= v <= 1, f"algo.{name}", f"must be in [0, 1], got {v}")
+        a.pos_weight.validate()
+        _check(a.ppo_epochs >= 1, "algo.ppo_epochs", "must be >= 1")
+        _check(a.mini_batches >= 1, "algo.mini_batches", "must be >= 1")
+        _check(a.kl_coef >= 0, "algo.kl_coef", f"must be >= 0, got {a.kl_coef}")
+        _check(a.kl_coef == 0 or a.adv_estimator == "reinforce_pp", "algo.kl_coef",
+               "the token-level KL penalty is REINFORCE++'s: set algo.adv_estimator=reinforce_pp (or kl_coef 0)")
+        pr = a.prime
+        _check(pr.beta > 0, "algo.prime.beta", f"must be > 0, got {pr.beta}")
+        _check(pr.lr > 0, "algo.prime.lr", f"must be > 0, got {pr.lr}")
+        _check(pr.outcome_coef >= 0 and pr.process_coef >= 0, "algo.prime.outcome_coef", "coefficients must be >= 0")
+        _check(0 <= pr.acc_low <= pr.acc_high <= 1, "algo.prime.acc_low", "need 0 <= acc_low <= acc_high <= 1")
+        _check(a.max_gen_batches >= 0, "algo.max_gen_batches",
+               f"must be >= 0 (0 = until full), got {a.max_gen_batches}")
+        _check(a.max_gen_batches == 1 or a.dapo_filter, "algo.max_gen_batches",
+               "refilling only applies to DAPO's filter: set algo.dapo_filter=true (or max_gen_batches 1)")
+
 
 @dataclass
 class OptimConfig:
@@ -293,6 +477,16 @@ class OptimConfig:
     warmup_steps: int = 0
     min_lr_ratio: float = 0.0  # cosine floor, as a fraction of lr
     grad_clip: float = 1.0
+
+    def validate(self) -> None:
+        """Range checks of this section's own fields; raises ConfigError naming the key."""
+        o = self
+        _check(o.lr > 0, "optim.lr", f"must be > 0, got {o.lr}")
+        _check(o.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
+        _check(all(0 <= b < 1 for b in o.betas), "optim.betas", "must be in [0, 1)")
+        _check(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
+        _check(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", "must be in [0, 1]")
+        _check(o.grad_clip >= 0, "optim.grad_clip", "must be >= 0 (0 disables)")
 
 
 @dataclass
@@ -340,6 +534,24 @@ class TrainerConfig:
     tensorboard: bool = False
     wandb: bool = False
     wandb_project: str = "fastcov"
+
+    def validate(self) -> None:
+        """Range checks of this section's own fields; raises ConfigError naming the key."""
+        t = self
+        _check(t.max_steps >= 0, "trainer.max_steps", "must be >= 0")
+        _check(t.prompts_per_step >= 1, "trainer.prompts_per_step", "must be >= 1")
+        _check(t.micro_token_budget >= 1, "trainer.micro_token_budget", "must be >= 1")
+        _check(t.threads >= 0, "trainer.threads", f"must be >= 0 (0 = torch's default), got {t.threads}")
+        _check(t.collective_timeout_s >= 0, "trainer.collective_timeout_s",
+               f"must be >= 0 (0 = DeepSpeed's default), got {t.collective_timeout_s}")
+        _check(t.zero_stage in (0, 1, 2, 3), "trainer.zero_stage", f"must be 0, 1, 2 or 3, got {t.zero_stage}")
+        _check(not t.offload_optimizer or t.zero_stage >= 1, "trainer.offload_optimizer",
+               "offloading the optimizer states needs trainer.zero_stage >= 1")
+        _check(t.eval_every >= 0, "trainer.eval_every", "must be >= 0")
+        _check(t.eval_k >= 1, "trainer.eval_k", "must be >= 1")
+        _check(t.save_every >= 0, "trainer.save_every", "must be >= 0")
+        _check(t.save_every_minutes >= 0, "trainer.save_every_minutes", "must be >= 0 (0 = off)")
+        _check(t.keep_last >= 1, "trainer.keep_last", "must be >= 1")
 
 
 @dataclass
@@ -390,7 +602,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if value not in args:
             raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(repr, args))}")
         return value
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping, got {value!r}")
         return _build(tp, value, key)
@@ -402,7 +614,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 return tuple(_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
             if len(value) != len(args):
                 raise ConfigError(f"{key}: expected {len(args)} items, got {len(value)}")
-            return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+            return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args, strict=True)))
         return [_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)] if args else list(value)
     if origin is dict:
         if not isinstance(value, dict):
@@ -463,19 +675,8 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
 # ----------------------------------------------------------------------------------------------- values
 
 def positive_weight_schedule(a: AlgoConfig):
-    """The lambda schedule an ``algo`` section with ``pos_weight_schedule: true`` describes."""
-    from fastcov.schedules import PositiveWeightSchedule
-
-    kind = a.pos_weight_kind
-    if kind == "entropy":
-        return PositiveWeightSchedule("entropy", init=a.pos_weight_init, threshold=a.pos_weight_target_entropy,
-                                      step_size=a.pos_weight_delta)
-    if kind == "constant":
-        return PositiveWeightSchedule("constant", init=a.pos_weight_init)
-    if kind == "stage":
-        return PositiveWeightSchedule("stage", stages=a.pos_weight_stages)
-    return PositiveWeightSchedule("epoch", values=a.pos_weight_values,
-                                  steps_per_epoch=a.pos_weight_steps_per_epoch or None)
+    """The lambda schedule an ``algo`` section with ``pos_weight.enabled: true`` describes."""
+    return a.pos_weight.schedule()
 
 
 def _check(cond: bool, key: str, msg: str) -> None:
@@ -515,119 +716,6 @@ def _check_registered(cfg: Config) -> None:
            f"random_matched is a control of a token selection, and algo.mode={a.mode} selects none (clip_cov, kl_cov)")
 
 
-def _validate_model_data(m: ModelConfig, d: DataConfig) -> None:
-    _check((m.path is None) != (m.arch is None), "model.path",
-           "set exactly one of model.path (pretrained) and model.arch (fresh model)")
-    if m.arch is not None:
-        _check("model_type" in m.arch, "model.arch.model_type", "required (e.g. qwen2)")
-    _check(m.path is not None or m.tokenizer is not None, "model.tokenizer",
-           "required when the model is built from model.arch")
-    _check(bool(d.train_files) or d.synthetic.enabled, "data.train_files",
-           "give parquet files or enable data.synthetic")
-    _check(0.0 <= d.val_fraction < 1.0, "data.val_fraction", f"must be in [0, 1), got {d.val_fraction}")
-    _check(d.max_prompt_len > 0, "data.max_prompt_len", "must be > 0")
-    _check(d.max_val_prompts >= 0, "data.max_val_prompts", "must be >= 0")
-    s = d.synthetic
-    _check(s.n_train > 0, "data.synthetic.n_train", "must be > 0")
-    _check(s.n_val >= 0, "data.synthetic.n_val", "must be >= 0")
-    _check(1 <= s.min_ops <= s.max_ops, "data.synthetic.min_ops", "need 1 <= min_ops <= max_ops")
-    _check(s.max_value >= 2, "data.synthetic.max_value", "must be >= 2")
-
-
-def _validate_lora(m: ModelConfig, cfg: Config) -> None:
-    _check(m.lora_rank >= 0, "model.lora_rank", f"must be >= 0 (0 = off), got {m.lora_rank}")
-    _check(m.lora_alpha > 0, "model.lora_alpha", f"must be > 0, got {m.lora_alpha}")
-    _check(0 <= m.lora_dropout < 1, "model.lora_dropout", f"must be in [0, 1), got {m.lora_dropout}")
-    _check(bool(m.lora_targets) and all(bool(t) for t in m.lora_targets), "model.lora_targets",
-           "give at least one module name (e.g. q_proj)")
-    _check(m.quantization == "none" or m.lora_rank > 0, "model.quantization",
-           "a 4-bit base cannot train: set model.lora_rank > 0 (QLoRA)")
-    _check(m.quantization == "none" or cfg.trainer.zero_stage < 3, "model.quantization",
-           "ZeRO-3 cannot partition 4-bit weights; use trainer.zero_stage 0-2")
-    _check(m.lora_rank == 0 or cfg.rollout.engine != "vllm" or cfg.rollout.vllm_mode == "colocated",
-           "model.lora_rank", "LoRA syncs its adapters to a colocated vLLM or the HF engine; vLLM servers take full "
-           "weights (set rollout.vllm_mode=colocated or rollout.engine=hf)")
-    _check(not cfg.trainer.offload_activations or m.gradient_checkpointing, "trainer.offload_activations",
-           "offloads gradient checkpointing's saved activations: set model.gradient_checkpointing=true")
-
-
-def _validate_rollout_reward(r: RolloutConfig, cfg: Config) -> None:
-    _check(r.n >= 1, "rollout.n", f"must be >= 1, got {r.n}")
-    _check(r.temperature > 0, "rollout.temperature", f"must be > 0, got {r.temperature}")
-    _check(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
-    _check(r.max_new_tokens > 0, "rollout.max_new_tokens", "must be > 0")
-    _check(r.batch_size >= 0, "rollout.batch_size", "must be >= 0")
-    _check(0 <= r.sync_bucket_mb < float("inf"), "rollout.sync_bucket_mb",
-           f"must be >= 0 (0 = per tensor), got {r.sync_bucket_mb}")
-    _check(r.vllm_tensor_parallel_size >= 1, "rollout.vllm_tensor_parallel_size",
-           f"must be >= 1, got {r.vllm_tensor_parallel_size}")
-    _check(0 < r.vllm_gpu_memory_utilization <= 1, "rollout.vllm_gpu_memory_utilization",
-           f"must be in (0, 1], got {r.vllm_gpu_memory_utilization}")
-    for i, url in enumerate(r.vllm_server_urls):
-        _check(url.startswith(("http://", "https://")), f"rollout.vllm_server_urls[{i}]",
-               f"must start with http:// or https://, got {url!r}")
-    if r.engine == "vllm" and r.vllm_mode == "server":
-        _check(bool(r.vllm_server_urls), "rollout.vllm_server_urls",
-               "give at least one server URL when rollout.vllm_mode=server")
-    _check(not (r.vllm_server_urls and (r.engine != "vllm" or r.vllm_mode != "server")),
-           "rollout.vllm_server_urls", "only used with rollout.engine=vllm and rollout.vllm_mode=server")
-    _check(cfg.reward.timeout_s > 0, "reward.timeout_s", "must be > 0")
-    _check(cfg.reward.workers >= 0, "reward.workers", f"must be >= 0 (0 = automatic), got {cfg.reward.workers}")
-    c = cfg.reward.code
-    _check(c.cpu_s > 0 and c.wall_s > 0, "reward.code.cpu_s", "cpu_s and wall_s must be > 0")
-    _check(c.memory_mb >= 32, "reward.code.memory_mb", f"must be >= 32, got {c.memory_mb}")
-    _check(c.nproc >= 1, "reward.code.nproc", f"must be >= 1, got {c.nproc}")
-    _check(c.max_output_kb > 0, "reward.code.max_output_kb", "must be > 0")
-    _check(c.sandbox_fusion_url is None or c.sandbox_fusion_url.startswith(("http://", "https://")),
-           "reward.code.sandbox_fusion_url", "must start with http:// or https://")
-
-
-def _validate_algo(a: AlgoConfig, r: RolloutConfig, t: TrainerConfig) -> None:
-    # clip_low = 1 opens the lower clip (ratio >= 0 always), as the paper's Clip-Cov runs do
-    _check(0 <= a.clip_low <= 1, "algo.clip_low", f"must be in [0, 1], got {a.clip_low}")
-    _check(a.clip_high >= 0, "algo.clip_high", "must be >= 0")
-    _check(a.dual_clip_c is None or a.dual_clip_c > 1, "algo.dual_clip_c", "must be > 1")
-    for name in ("clip_cov_ratio", "kl_cov_ratio"):
-        v = getattr(a, name)
-        _check(0 < v <= 1, f"algo.{name}", f"must be in (0, 1], got {v}")
-    _check(a.clip_cov_lb < a.clip_cov_ub, "algo.clip_cov_lb", "must be < algo.clip_cov_ub")
-    _check(a.kl_cov_coef >= 0, "algo.kl_cov_coef", "must be >= 0")
-    for name in ("pos_adv_weight", "neg_adv_weight"):
-        v = getattr(a, name)
-        _check(0 <= v <= 1, f"algo.{name}", f"must be in [0, 1], got {v}")
-    if a.pos_weight_schedule:
-        try:
-            positive_weight_schedule(a)
-        except ValueError as exc:
-            msg = str(exc)
-            key = next((k for word, k in (("threshold", "pos_weight_target_entropy"), ("step_size", "pos_weight_delta"),
-                                          ("steps_per_epoch", "pos_weight_steps_per_epoch"),
-                                          ("stage", "pos_weight_stages"), ("values", "pos_weight_values"))
-                        if word in msg), "pos_weight_init")
-            raise ConfigError(f"algo.{key}: {msg}") from None
-    _check(a.high_entropy_fraction is None or 0 < a.high_entropy_fraction <= 1,
-           "algo.high_entropy_fraction", "must be in (0, 1]")
-    _check(a.ppo_epochs >= 1, "algo.ppo_epochs", "must be >= 1")
-    _check(a.mini_batches >= 1, "algo.mini_batches", "must be >= 1")
-    _check(a.mini_batches <= t.prompts_per_step, "algo.mini_batches", "must be <= trainer.prompts_per_step")
-    _check(t.prompts_per_step % a.mini_batches == 0, "algo.mini_batches",
-           f"{a.mini_batches} does not divide trainer.prompts_per_step={t.prompts_per_step}; pick a divisor "
-           "so every mini-batch holds the same number of prompts")
-    if a.adv_estimator in ("grpo", "dr_grpo", "rloo", "prime"):
-        _check(r.n >= 2, "rollout.n", f"{a.adv_estimator} needs >= 2 rollouts per prompt")
-    _check(a.kl_coef >= 0, "algo.kl_coef", f"must be >= 0, got {a.kl_coef}")
-    _check(a.kl_coef == 0 or a.adv_estimator == "reinforce_pp", "algo.kl_coef",
-           "the token-level KL penalty is REINFORCE++'s: set algo.adv_estimator=reinforce_pp (or kl_coef 0)")
-    pr = a.prime
-    _check(pr.beta > 0, "algo.prime.beta", f"must be > 0, got {pr.beta}")
-    _check(pr.lr > 0, "algo.prime.lr", f"must be > 0, got {pr.lr}")
-    _check(pr.outcome_coef >= 0 and pr.process_coef >= 0, "algo.prime.outcome_coef", "coefficients must be >= 0")
-    _check(0 <= pr.acc_low <= pr.acc_high <= 1, "algo.prime.acc_low", "need 0 <= acc_low <= acc_high <= 1")
-    _check(a.max_gen_batches >= 0, "algo.max_gen_batches", f"must be >= 0 (0 = until full), got {a.max_gen_batches}")
-    _check(a.max_gen_batches == 1 or a.dapo_filter, "algo.max_gen_batches",
-           "refilling only applies to DAPO's filter: set algo.dapo_filter=true (or max_gen_batches 1)")
-
-
 # knob -> (the algo field whose value it replaces, the modes it acts in; None: any)
 ENTROPY_KNOBS = {"entropy_coef": ("entropy_coef", None), "kl_cov_coef": ("kl_cov_coef", ("kl_cov",)),
                  "kl_cov_ratio": ("kl_cov_ratio", ("kl_cov",)), "clip_cov_ratio": ("clip_cov_ratio", ("clip_cov",)),
@@ -658,8 +746,8 @@ def _validate_entropy_control(a: AlgoConfig) -> None:
     _check(modes is None or a.mode in modes, "algo.entropy_control.knob",
            f"{c.knob} acts only in algo.mode {' / '.join(modes or ())}, not {a.mode}: "
            "it would move a value nothing reads")
-    _check(not (c.knob == "pos_weight" and a.pos_weight_schedule), "algo.entropy_control.knob",
-           "pos_weight is already scheduled by algo.pos_weight_schedule; use one of the two")
+    _check(not (c.knob == "pos_weight" and a.pos_weight.enabled), "algo.entropy_control.knob",
+           "pos_weight is already scheduled by algo.pos_weight.enabled; use one of the two")
     try:
         entropy_controller(a)
     except ValueError as exc:
@@ -668,38 +756,32 @@ def _validate_entropy_control(a: AlgoConfig) -> None:
         raise ConfigError(f"algo.entropy_control.{key}: {msg}") from None
 
 
-def _validate_optim_trainer(o: OptimConfig, t: TrainerConfig) -> None:
-    _check(o.lr > 0, "optim.lr", f"must be > 0, got {o.lr}")
-    _check(o.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
-    _check(all(0 <= b < 1 for b in o.betas), "optim.betas", "must be in [0, 1)")
-    _check(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
-    _check(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", "must be in [0, 1]")
-    _check(o.grad_clip >= 0, "optim.grad_clip", "must be >= 0 (0 disables)")
-    _check(t.max_steps >= 0, "trainer.max_steps", "must be >= 0")
-    _check(t.prompts_per_step >= 1, "trainer.prompts_per_step", "must be >= 1")
-    _check(t.micro_token_budget >= 1, "trainer.micro_token_budget", "must be >= 1")
-    _check(t.threads >= 0, "trainer.threads", f"must be >= 0 (0 = torch's default), got {t.threads}")
-    _check(t.collective_timeout_s >= 0, "trainer.collective_timeout_s",
-           f"must be >= 0 (0 = DeepSpeed's default), got {t.collective_timeout_s}")
-    _check(t.zero_stage in (0, 1, 2, 3), "trainer.zero_stage", f"must be 0, 1, 2 or 3, got {t.zero_stage}")
-    _check(not t.offload_optimizer or t.zero_stage >= 1, "trainer.offload_optimizer",
-           "offloading the optimizer states needs trainer.zero_stage >= 1")
-    _check(t.eval_every >= 0, "trainer.eval_every", "must be >= 0")
-    _check(t.eval_k >= 1, "trainer.eval_k", "must be >= 1")
-    _check(t.save_every >= 0, "trainer.save_every", "must be >= 0")
-    _check(t.save_every_minutes >= 0, "trainer.save_every_minutes", "must be >= 0 (0 = off)")
-    _check(t.keep_last >= 1, "trainer.keep_last", "must be >= 1")
+def _validate_across(cfg: Config) -> None:
+    """The checks that read more than one section."""
+    m, a, r, t = cfg.model, cfg.algo, cfg.rollout, cfg.trainer
+    _check(m.quantization == "none" or t.zero_stage < 3, "model.quantization",
+           "ZeRO-3 cannot partition 4-bit weights; use trainer.zero_stage 0-2")
+    _check(m.lora_rank == 0 or r.engine != "vllm" or r.vllm_mode == "colocated",
+           "model.lora_rank", "LoRA syncs its adapters to a colocated vLLM or the HF engine; vLLM servers take full "
+           "weights (set rollout.vllm_mode=colocated or rollout.engine=hf)")
+    _check(not t.offload_activations or m.gradient_checkpointing, "trainer.offload_activations",
+           "offloads gradient checkpointing's saved activations: set model.gradient_checkpointing=true")
+    _check(a.mini_batches <= t.prompts_per_step, "algo.mini_batches", "must be <= trainer.prompts_per_step")
+    _check(t.prompts_per_step % a.mini_batches == 0, "algo.mini_batches",
+           f"{a.mini_batches} does not divide trainer.prompts_per_step={t.prompts_per_step}; pick a divisor "
+           "so every mini-batch holds the same number of prompts")
+    if a.adv_estimator in ("grpo", "dr_grpo", "rloo", "prime"):
+        _check(r.n >= 2, "rollout.n", f"{a.adv_estimator} needs >= 2 rollouts per prompt")
 
 
 def validate(cfg: Config) -> Config:
-    """Range checks that types cannot express, section by section; raises ConfigError naming the key."""
+    """Range checks that types cannot express: each section's own (its ``validate()``, next to its fields),
+    then those across sections; raises ConfigError naming the key."""
     _check_registered(cfg)
-    _validate_model_data(cfg.model, cfg.data)
-    _validate_lora(cfg.model, cfg)
-    _validate_rollout_reward(cfg.rollout, cfg)
-    _validate_algo(cfg.algo, cfg.rollout, cfg.trainer)
+    for section in (cfg.model, cfg.data, cfg.rollout, cfg.reward, cfg.algo, cfg.optim, cfg.trainer):
+        section.validate()
+    _validate_across(cfg)
     _validate_entropy_control(cfg.algo)
-    _validate_optim_trainer(cfg.optim, cfg.trainer)
     _validate_rollout_correction(cfg)
     return cfg
 
@@ -732,10 +814,6 @@ def _validate_rollout_correction(cfg: Config) -> None:
         except (ValueError, TypeError) as exc:
             key = "rejection" if "criteria" in str(exc) else "rejection_threshold"
             raise ConfigError(f"algo.rollout_correction.{key}: {exc}") from None
-    for name in ("cispo_clip_max", "sapo_tau_pos", "sapo_tau_neg"):
-        _check(getattr(a, name) > 0, f"algo.{name}", f"must be > 0, got {getattr(a, name)}")
-    _check(a.cispo_clip_min is None or 0 < a.cispo_clip_min <= a.cispo_clip_max, "algo.cispo_clip_min",
-           "must be in (0, cispo_clip_max]")
     _check(rc.off_policy_mask_threshold is None or rc.off_policy_mask_threshold >= 0,
            "algo.rollout_correction.off_policy_mask_threshold", "must be >= 0")
     if a.mode in SELECTION_FREE_MODES:
@@ -776,9 +854,30 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
+def _map_renamed_keys(data: dict[str, Any]) -> None:
+    """algo.pos_weight_<key> -> algo.pos_weight.<key>, in place, with a one-line warning naming the new key;
+    the old and the new key both set is an error."""
+    import warnings
+
+    algo = data.get("algo")
+    if not isinstance(algo, dict):
+        return
+    for old, new in RENAMED_POS_WEIGHT_KEYS.items():
+        if old not in algo:
+            continue
+        section = algo.setdefault("pos_weight", {})
+        if not isinstance(section, dict):
+            return  # _build says what is wrong with algo.pos_weight
+        if new in section:
+            raise ConfigError(f"algo.{old}: renamed algo.pos_weight.{new}, which is set too; keep only the new key")
+        warnings.warn(f"algo.{old} is deprecated: use algo.pos_weight.{new}", FutureWarning, stacklevel=3)
+        section[new] = algo.pop(old)
+
+
 def config_from_dict(data: dict[str, Any]) -> Config:
     if not isinstance(data, dict):
         raise ConfigError(f"config: expected a mapping at the top level, got {type(data).__name__}")
+    _map_renamed_keys(data)
     return validate(_build(Config, data, ""))
 
 

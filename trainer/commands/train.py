@@ -34,7 +34,8 @@ def run(args: argparse.Namespace) -> int:
 
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
         return 0
-    from fastcov.trainer.train import LostRankError, RolloutError, train
+    from fastcov.trainer.runtime.errors import LostRankError, RolloutError
+    from fastcov.trainer.train import train
 
     try:
         train(cfg, resume=args.resume, overwrite=args.overwrite)

@@ -12,7 +12,7 @@ A study file (YAML)::
     common: [trainer.eval_k=4]           # overrides for every arm
     arms:
       grpo: [algo.mode=vanilla]
-      grpo_reweight: [algo.mode=vanilla, algo.pos_weight_schedule=true]
+      grpo_reweight: [algo.mode=vanilla, algo.pos_weight.enabled=true]
       kl_cov: [algo.mode=kl_cov]
 
 ``seeds: [0, 1, 2]`` trains every arm once per seed (``trainer.seed``; run directories ``<out>/<arm>/seed<s>``)

@@ -29,6 +29,7 @@ from fastcov.trainer.runtime.checkpoint import (
     latest_checkpoint,
     write_atomic,
 )
+from fastcov.trainer.runtime.distributed import all_max, broadcast_text
 
 LOCK = ".lock"
 METRICS = "metrics.jsonl"
@@ -321,3 +322,25 @@ def move_aside(run_dir: Path) -> Path:
     fsync_path(run_dir.parent)
     return target
 
+
+def hold_run_dir(run_dir: Path, rank: int) -> RunDirLock | None:
+    """Rank 0 takes the run directory's lock before anything is written; every rank stops with its one-line
+    error when it cannot (another live run holds the directory, or it cannot be written)."""
+    lock, why, kind = None, "", ""
+    if rank == 0 and not (run_dir.exists() and not run_dir.is_dir()):  # a file: check_run_dir says so
+        try:
+            lock = RunDirLock.acquire(run_dir)
+        except UserError as exc:
+            why, kind = str(exc), type(exc).__name__
+    why, kind = broadcast_text(why), broadcast_text(kind)
+    if why:
+        raise (RunDirBusy if kind == RunDirBusy.__name__ else UserError)(why)
+    return lock
+
+
+def save_is_due(minutes: float | None, last_save: float, rank: int, device: Any) -> bool:
+    """``trainer.save_every_minutes`` since the last checkpoint (rank 0's clock decides for every rank)."""
+    if not minutes:
+        return False
+    due = rank == 0 and time.monotonic() - last_save >= 60.0 * minutes
+    return all_max(int(due), device) > 0

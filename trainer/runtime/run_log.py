@@ -1,14 +1,17 @@
-"""Metric sinks: ``<run>/metrics.jsonl`` (always), TensorBoard and W&B (when installed and enabled)."""
+"""The run's log: ``<run>/config.yaml`` and the metric sinks, ``<run>/metrics.jsonl`` (always), TensorBoard and
+W&B (when installed and enabled)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import warnings
 from pathlib import Path
 from typing import Any
 
-from fastcov.trainer.runtime.run_dir import metrics_path
+from fastcov.trainer.runtime.checkpoint import write_atomic
+from fastcov.trainer.runtime.run_dir import CONFIG, io_error, metrics_path
 
 
 def _clean(v: Any) -> Any:
@@ -66,3 +69,18 @@ class MetricsLogger:
             self.tb.close()
         if self.wb is not None:
             self.wb.finish()
+
+
+def open_run_files(run_dir: Path, config: dict, t: Any, resume_step: int | None,
+                   closing: contextlib.ExitStack) -> MetricsLogger:
+    """Rank 0: config.yaml (rewritten atomically) and the metrics log; one line if the directory refuses.
+    ``t``: the run's ``trainer`` section; ``resume_step``: the step a resumed run starts after, else None."""
+    import yaml
+
+    try:
+        write_atomic(run_dir / CONFIG, yaml.safe_dump(config, sort_keys=False).encode())
+        logger = MetricsLogger(run_dir, config, t.tensorboard, t.wandb, t.wandb_project, resume_step=resume_step)
+    except OSError as exc:
+        raise io_error(getattr(exc, "filename", None) or run_dir, exc) from None
+    closing.callback(logger.close)
+    return logger
