@@ -84,7 +84,8 @@ def test_every_loss_hyperparameter_reaches_the_loss():
     values = dict(clip_low=0.11, clip_high=0.31, dual_clip_c=3.5, clip_cov_ratio=0.013, clip_cov_lb=0.7,
                   clip_cov_ub=4.2, kl_cov_ratio=0.021, kl_cov_coef=0.9, entropy_coef=0.004,
                   pos_adv_weight=0.6, neg_adv_weight=0.8, high_entropy_fraction=0.25, cov_score="vocab",
-                  cispo_clip_max=4.5, cispo_clip_min=0.3, sapo_tau_pos=1.2, sapo_tau_neg=1.7)
+                  cispo_clip_max=4.5, cispo_clip_min=0.3, sapo_tau_pos=1.2, sapo_tau_neg=1.7, vespo_k_pos=1.5,
+                  vespo_lambda_pos=2.5, vespo_k_neg=3.5, vespo_lambda_neg=1.5)
     assert set(values) == shared, "a new shared field needs a value here"
     cfg = loss_config(AlgoConfig(**values), pos_adv_weight=0.45)
     for name, value in values.items():

@@ -420,6 +420,11 @@ class AlgoConfig:
     cispo_clip_min: float | None = LossConfig.cispo_clip_min
     sapo_tau_pos: float = LossConfig.sapo_tau_pos
     sapo_tau_neg: float = LossConfig.sapo_tau_neg
+    # VESPO's gamma weight of the sequence ratio (TRL's vespo_* defaults)
+    vespo_k_pos: float = LossConfig.vespo_k_pos
+    vespo_lambda_pos: float = LossConfig.vespo_lambda_pos
+    vespo_k_neg: float = LossConfig.vespo_k_neg
+    vespo_lambda_neg: float = LossConfig.vespo_lambda_neg
     entropy_coef: float = LossConfig.entropy_coef
     pos_adv_weight: float = LossConfig.pos_adv_weight
     neg_adv_weight: float = LossConfig.neg_adv_weight
