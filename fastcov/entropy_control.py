@@ -86,12 +86,21 @@ LOSS_FIELDS = {"entropy_coef": "entropy_coef", "kl_cov_coef": "kl_cov_coef", "kl
 _CONFIG_KEYS = ("target", "knob", "rule", "init", "delta", "gain", "min", "max", "gate", "inclusive")
 
 
+class ArgumentError(ValueError):
+    """A bad argument of ``EntropyController``, in one line; ``argument`` names it ("target", "delta", ...; "config"
+    for an unknown key of ``from_config``)."""
+
+    def __init__(self, argument: str, message: str) -> None:
+        super().__init__(message)
+        self.argument = argument
+
+
 def _number(value: Any, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number, got {value!r}")
+        raise ArgumentError(name, f"{name} must be a number, got {value!r}")
     out = float(value)
     if not math.isfinite(out):
-        raise ValueError(f"{name} must be finite, got {value!r}")
+        raise ArgumentError(name, f"{name} must be finite, got {value!r}")
     return out
 
 
@@ -111,46 +120,51 @@ class EntropyController:
         inclusive: H == target counts as low (TRL: True; Skywork-OR1 and Jin et al.: False).
 
     Raises:
-        ValueError: one line naming the offending argument.
+        ArgumentError: a ValueError, one line naming the offending argument, which its ``argument`` holds.
     """
 
     def __init__(self, target: float, knob: str, init: float, *, rule: str = "step", delta: float | None = None,
                  gain: float = 0.5, min: float | None = None, max: float | None = None,
                  gate: bool = False, inclusive: bool = False) -> None:
         if knob not in KNOBS:
-            raise ValueError(f"knob must be one of {', '.join(KNOBS)}, got {knob!r}")
+            raise ArgumentError("knob", f"knob must be one of {', '.join(KNOBS)}, got {knob!r}")
         if rule not in RULES:
-            raise ValueError(f"rule must be one of {', '.join(RULES)}, got {rule!r}")
+            raise ArgumentError("rule", f"rule must be one of {', '.join(RULES)}, got {rule!r}")
         spec = KNOBS[knob]
         self.knob, self.rule, self.spec = knob, rule, spec
         self.target = _number(target, "target")
         if self.target < 0 or (rule == "proportional" and self.target == 0):
-            raise ValueError(f"target must be {'> 0' if rule == 'proportional' else '>= 0'} nats, got {target!r}")
+            raise ArgumentError("target", f"target must be {'> 0' if rule == 'proportional' else '>= 0'} nats, "
+                                          f"got {target!r}")
         default_min = spec.low if spec.default_min is None else spec.default_min
         self.min = default_min if min is None else _number(min, "min")
         self.max = (spec.high if spec.default_max is None else spec.default_max) if max is None else _number(max, "max")
         domain = f"{'(' if spec.low_open else '['}{spec.low:g}, {spec.high:g}] for knob {knob}"
         for name, bound in (("min", self.min), ("max", self.max)):
             if not (bound > spec.low if spec.low_open else bound >= spec.low) or bound > spec.high:
-                raise ValueError(f"{name} must lie in {domain}, got {bound:g}")
+                raise ArgumentError(name, f"{name} must lie in {domain}, got {bound:g}")
         if self.min > self.max:
-            raise ValueError(f"min must be <= max, got min={self.min:g}, max={self.max:g}")
+            raise ArgumentError("min", f"min must be <= max, got min={self.min:g}, max={self.max:g}")
         if rule == "proportional" and self.min <= 0:
-            raise ValueError(f"min must be > 0 with rule proportional (it scales the knob), got {self.min:g}")
+            raise ArgumentError("min", "min must be > 0 with rule proportional (it scales the knob), "
+                                       f"got {self.min:g}")
         self.delta = None if delta is None else _number(delta, "delta")
         if rule == "step" and (self.delta is None or self.delta < 0):
-            raise ValueError(f"delta must be a number >= 0 with rule step, got {delta!r}")
+            raise ArgumentError("delta", f"delta must be a number >= 0 with rule step, got {delta!r}")
         self.gain = _number(gain, "gain")
         if self.gain <= 0:
-            raise ValueError(f"gain must be > 0, got {gain!r}")
+            raise ArgumentError("gain", f"gain must be > 0, got {gain!r}")
         if not isinstance(gate, bool) or not isinstance(inclusive, bool):
-            raise ValueError(f"gate and inclusive must be true or false, got gate={gate!r}, inclusive={inclusive!r}")
+            raise ArgumentError("gate" if not isinstance(gate, bool) else "inclusive",
+                                f"gate and inclusive must be true or false, got gate={gate!r}, inclusive={inclusive!r}")
         if gate and spec.neutral is None:
-            raise ValueError(f"gate needs a knob with an off value (entropy_coef, kl_cov_coef, pos_weight), not {knob}")
+            raise ArgumentError("gate", "gate needs a knob with an off value (entropy_coef, kl_cov_coef, pos_weight), "
+                                        f"not {knob}")
         self.gate, self.inclusive = gate, inclusive
         self.init = _number(init, "init")
         if not self.min <= self.init <= self.max:
-            raise ValueError(f"init must lie in [min, max] = [{self.min:g}, {self.max:g}], got {self.init:g}")
+            raise ArgumentError("init", f"init must lie in [min, max] = [{self.min:g}, {self.max:g}], "
+                                        f"got {self.init:g}")
         self.value = self.init
         self.last_entropy: float | None = None
         self.updates = 0
@@ -160,17 +174,18 @@ class EntropyController:
     def from_config(cls, config: Mapping[str, Any], init: float | None = None) -> EntropyController:
         """Build from a mapping with the keys of ``algo.entropy_control`` (``target``, ``knob``, ``rule``,
         ``init``, ``delta``, ``gain``, ``min``, ``max``, ``gate``, ``inclusive``); ``init`` is used when the
-        mapping has none (or None). Unknown keys raise ValueError naming them."""
+        mapping has none (or None). Unknown keys raise ArgumentError (a ValueError) naming them."""
         for key in config:
             if key not in _CONFIG_KEYS:
-                raise ValueError(f"unknown entropy-control key {key!r}; known keys: {', '.join(_CONFIG_KEYS)}")
+                raise ArgumentError("config", f"unknown entropy-control key {key!r}; known keys: "
+                                              f"{', '.join(_CONFIG_KEYS)}")
         kwargs = {k: v for k, v in config.items() if v is not None and k not in ("target", "knob", "init")}
         start = config.get("init")
         start = init if start is None else start
         if start is None:
-            raise ValueError("init is required (the knob's value before the first update)")
+            raise ArgumentError("init", "init is required (the knob's value before the first update)")
         if config.get("target") is None:
-            raise ValueError("target is required (nats per response token)")
+            raise ArgumentError("target", "target is required (nats per response token)")
         return cls(config["target"], config.get("knob", "entropy_coef"), start, **kwargs)
 
     # ------------------------------------------------------------------ the rule

@@ -132,6 +132,13 @@ def test_on_policy_kl_cov_warns_once_in_one_line(over, warned):
     (["algo.entropy_control.target=0.3", "algo.entropy_control.delta=0.1", "algo.entropy_control.init=2.0"],
      "algo.entropy_control.init"),
     (["algo.entropy_control.tagret=0.3"], "algo.entropy_control.target"),
+    (["algo.entropy_control.target=-0.3", "algo.entropy_control.delta=0.1"], "algo.entropy_control.target"),
+    (["algo.entropy_control.target=0.3", "algo.entropy_control.rule=proportional", "algo.entropy_control.min=0.01",
+      "algo.entropy_control.gain=0"], "algo.entropy_control.gain"),
+    (["algo.entropy_control.target=0.3", "algo.entropy_control.delta=0.1", "algo.entropy_control.max=-1.0"],
+     "algo.entropy_control.max"),
+    (["algo.entropy_control.target=0.3", "algo.entropy_control.delta=0.1", "algo.entropy_control.min=0.5",
+      "algo.entropy_control.max=0.2"], "algo.entropy_control.min"),
     (["algo.entropy_advantage.alpha=-1"], "algo.entropy_advantage.alpha"),
     (["algo.entropy_advantage.kappa=0"], "algo.entropy_advantage.kappa"),
 ])

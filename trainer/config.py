@@ -753,12 +753,13 @@ def _validate_entropy_control(a: AlgoConfig) -> None:
            "it would move a value nothing reads")
     _check(not (c.knob == "pos_weight" and a.pos_weight.enabled), "algo.entropy_control.knob",
            "pos_weight is already scheduled by algo.pos_weight.enabled; use one of the two")
+    from fastcov.entropy_control import ArgumentError
+
     try:
         entropy_controller(a)
-    except ValueError as exc:
-        msg = str(exc)
-        key = next((k for k in ("target", "init", "delta", "gain", "min", "max", "gate") if msg.startswith(k)), "knob")
-        raise ConfigError(f"algo.entropy_control.{key}: {msg}") from None
+    except ArgumentError as exc:
+        key = exc.argument if exc.argument in {f.name for f in dataclasses.fields(c)} else "knob"
+        raise ConfigError(f"algo.entropy_control.{key}: {exc}") from None
 
 
 def _validate_across(cfg: Config) -> None:
