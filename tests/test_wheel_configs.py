@@ -1,5 +1,6 @@
 """The shipped configs are found the same way from a checkout and from an installed wheel: the wheel
-carries configs/ as ``fastcov/configs`` and the demo and studies resolve ``configs/...`` through it."""
+carries configs/ as ``fastcov/configs`` and the demo and studies resolve ``configs/...`` through it. The wheel also
+carries kernels/ as ``fastcov.kernels`` and no top-level ``kernels`` (test_kernels_name.py is the checkout's half)."""
 
 from __future__ import annotations
 
@@ -55,3 +56,9 @@ def test_an_installed_wheel_finds_its_configs(tmp_path):
                          env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"}).stdout.split()
     assert all(Path(p).is_relative_to(site) for p in out), out  # the wheel's copy, not the checkout
     assert Path(out[1]).is_file() and Path(out[2]).is_file()
+    assert not any(n.startswith("kernels/") for n in names)
+    probe = ("import fastcov.kernels, fastcov.kernels.covariance_torch as c; print(c.__file__)\n"
+             "try:\n    import kernels\nexcept ImportError:\n    print('no-kernels')")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, check=True,
+                         env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"}).stdout.split()
+    assert out == [str(site / "fastcov" / "kernels" / "covariance_torch.py"), "no-kernels"], out
