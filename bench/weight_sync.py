@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench._common import fmt
+
 MODELS = {
     # trainer/demo.py's tiny Qwen2 (vocabulary: the builtin arithmetic tokenizer's)
     "demo": dict(model_type="qwen2", hidden_size=96, intermediate_size=256, num_hidden_layers=2,
@@ -212,7 +214,7 @@ def run_case(model: str, zero: int, procs: int, buckets: list[float], repeats: i
 
 
 def _fmt(x, nd=1):
-    return "—" if x is None else f"{x:.{nd}f}"
+    return fmt(x, f".{nd}f")
 
 
 def write_results(rows: list[dict], env: dict, out_dir: Path, date: str) -> tuple[Path, Path]:

@@ -1,4 +1,4 @@
-"""Smoke test of the kernel benchmark harness (bench/kernels.py): a tiny CPU case end to end."""
+"""Smoke test of the kernel benchmark harness (bench/kernels/): a tiny CPU case end to end."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from bench import kernels as K
+from bench.kernels import measure as KM
 from bench.peers import IMPLS, naive
 
 PEERS = ["liger", "liger-entropy", "cce", "verl"]
@@ -88,8 +89,8 @@ def test_failing_impl_is_reported_not_raised(monkeypatch):
 
     monkeypatch.setitem(IMPLS, "naive", IMPLS["naive"].__class__(
         "naive", "broken", True, lambda d: None, broken, needs_cuda=False))
-    spec = {"group": "g", "n": 8, "d": 16, "v": 40, "dtype": "float32", "device": "cpu", "temperature": 1.0,
-            "warmup": 0, "repeats": 1, "seed": 0, "impls": ["naive"], "mode": "all"}
+    spec = K.CaseSpec(group="g", n=8, d=16, v=40, dtype="float32", device="cpu", temperature=1.0, warmup=0,
+                      repeats=1, seed=0, impls=("naive",), mode="all")
     (res,) = K.run_shape(spec)["cases"]
     assert res["status"] == "error" and "kernel exploded" in res["reason"]
 
@@ -99,7 +100,7 @@ def test_naive_matches_float64():
     h, w = torch.randn(6, 8), torch.randn(50, 8)
     y = torch.randint(0, 50, (6,))
     lp, ent = naive(h, w, y, 0.7)
-    ref_lp, ref_ent = K._reference_rows(h, w, y, 0.7, 6)
+    ref_lp, ref_ent = KM._reference_rows(h, w, y, 0.7, 6)
     torch.testing.assert_close(lp.double(), ref_lp, atol=1e-5, rtol=0)
     torch.testing.assert_close(ent.double(), ref_ent, atol=1e-5, rtol=0)
 
@@ -165,7 +166,7 @@ def test_h100_preset_writes_one_json_line_per_case(h100_tiny):
         assert r["preset"] == "h100" and r["device"] and r["torch"] and "bench.kernels" in r["command"]
         assert r["floor_fb_ms"] > 0 and r["floor_fwd_ms"] > 0
     by_impl = {r["impl"]: r for r in rows if r["group"] == groups[0]}
-    if K._probe("fastcov-triton", torch.device("cpu"), False) is None:  # TRITON_INTERPRET=1 (tests/conftest.py)
+    if KM._probe("fastcov-triton", torch.device("cpu"), False) is None:  # TRITON_INTERPRET=1 (tests/conftest.py)
         assert by_impl["fastcov-triton"]["status"] == "ok", by_impl["fastcov-triton"]
     for name in ("naive", "naive-compile", "fastcov-triton"):
         r = by_impl[name]
@@ -192,14 +193,14 @@ def test_cublas_floor_chain_does_the_four_gemms():
     """The floor closure really computes dW = Zᵀ·H over chunks (with Z = H·Wᵀ): it is not an empty loop."""
     torch.manual_seed(0)
     h, w = torch.randn(40, 8), torch.randn(30, 8)
-    old = K.FLOOR_CHUNK_BYTES
+    old = KM.FLOOR_CHUNK_BYTES
     try:
-        K.FLOOR_CHUNK_BYTES = 30 * 4 * 7  # chunks of 7 rows
+        KM.FLOOR_CHUNK_BYTES = 30 * 4 * 7  # chunks of 7 rows
         chain = K.floor_calls(h, w)
         assert chain["chunk"] == 7
         chain["fb"]()
     finally:
-        K.FLOOR_CHUNK_BYTES = old
+        KM.FLOOR_CHUNK_BYTES = old
     torch.testing.assert_close(chain["dw"], (h @ w.T).T @ h, atol=1e-4, rtol=1e-4)
 
 

@@ -5,7 +5,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = [p for pattern in ("*.md", "fastcov/**/*.py", "kernels/*.py", "trainer/*.py", "bench/*.py", "tests/*.py",
+SOURCES = [p for pattern in ("*.md", "fastcov/**/*.py", "kernels/*.py", "trainer/*.py", "bench/**/*.py", "tests/**/*.py",
                              "configs/**/*.yaml", "docs/*.md", "Makefile")
            for p in ROOT.glob(pattern)]
 REF = re.compile(r"docs/([\w.-]+\.md) §(\d+)")

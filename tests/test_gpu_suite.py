@@ -301,11 +301,13 @@ def test_gpu_pytest_with_no_test_passed_is_no_pass(tmp_path, monkeypatch):
 
 def test_a_train_step_row_is_written_by_the_worker_as_it_is_logged(tmp_path):
     s = suite(tmp_path, flat=True)
-    spec = S.train_spec(s)
-    spec["ppo_epochs"] = 1
+    from bench.gpu_worker import TrainSpec, step_row
+
+    spec = S.train_spec(s).with_(ppo_epochs=1)
+    assert TrainSpec.from_json(spec.to_json()) == spec  # what the worker process gets
     rec = {"step": 1, "time/step": 2.0, "time/rollout": 1.0, "time/update": 0.5, "tokens_per_s": 100.0,
            "tokens_per_s/rollout": 300.0}
-    row = S.step_row(spec, rec)
+    row = step_row(spec, rec)
     assert row["name"] == "fastcov step 1" and row["run"] == "test" and row["part"] == "train" and row["warmup"]
-    assert row["update_tokens_per_s"] == pytest.approx(200.0 / 0.5) and spec["rows"]["path"] == str(s.path)
+    assert row["update_tokens_per_s"] == pytest.approx(200.0 / 0.5) and spec.rows.path == str(s.path)
     assert s.path == tmp_path / "run.jsonl"

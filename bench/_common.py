@@ -1,0 +1,53 @@
+"""What the benchmarks share: console lines, exception summaries, table cells, and the result-marker protocol
+by which a benchmark's subprocess hands its result back (no fastcov or peer imports here).
+
+The protocol: the subprocess prints one stdout line ``<mark><JSON>`` as its last word (``emit_result``); the
+parent takes the last such line of what it printed (``read_result``), so that whatever else the subprocess or
+its libraries print around it does not matter. Each benchmark names its own mark.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, Callable
+
+
+def log(msg: str, prefix: str = "") -> None:
+    """One progress line on stderr (stdout carries results), flushed at once."""
+    print(prefix + msg, file=sys.stderr, flush=True)
+
+
+def short(exc: BaseException, limit: int = 300) -> str:
+    """``Type: message`` on one line (whitespace runs collapsed), at most ``limit`` characters."""
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def is_oom(exc: BaseException) -> bool:
+    """torch's out-of-memory error, or any error whose message says "out of memory" (CUDA, allocators)."""
+    import torch  # here, so that the helpers load without torch
+
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def fmt(x: Any, spec: str, suffix: str = "") -> str:
+    """A table cell: ``x`` formatted with ``spec`` and ``suffix``, an em dash for None."""
+    return "—" if x is None else format(x, spec) + suffix
+
+
+def emit_result(mark: str, result: Any, default: Callable[[Any], Any] | None = None) -> None:
+    """Print ``result`` as the subprocess's result line, ``mark`` + JSON, and flush."""
+    print(mark + json.dumps(result, default=default), flush=True)
+
+
+def read_result(stdout: str, mark: str) -> Any | None:
+    """The result a subprocess printed with ``emit_result``: its last ``mark`` line; None without one (or
+    when that line is not JSON: a process killed mid-write)."""
+    for line in reversed(stdout.splitlines()):
+        if line.startswith(mark):
+            try:
+                return json.loads(line[len(mark):])
+            except json.JSONDecodeError:
+                return None
+    return None
