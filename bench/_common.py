@@ -1,5 +1,6 @@
-"""What the benchmarks share: console lines, exception summaries, table cells, and the result-marker protocol
-by which a benchmark's subprocess hands its result back (no fastcov or peer imports here).
+"""What the benchmarks share: console lines, exception summaries, table cells, the result-marker protocol by which
+a benchmark's subprocess hands its result back, and the environment of a rank a benchmark or a test starts itself
+(tests/_dist.py uses it). Nothing here imports fastcov, a peer, or torch at import time.
 
 The protocol: the subprocess prints one stdout line ``<mark><JSON>`` as its last word (``emit_result``); the
 parent takes the last such line of what it printed (``read_result``), so that whatever else the subprocess or
@@ -51,3 +52,15 @@ def read_result(stdout: str, mark: str) -> Any | None:
             except json.JSONDecodeError:
                 return None
     return None
+
+
+# what a launcher (torchrun, deepspeed) sets per rank: a process started without them is a fresh one-process job
+RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def rank_environment(rank: int, world: int, port: int, **extra: str) -> dict[str, str]:
+    """The variables a launcher gives rank ``rank`` of ``world`` processes on this host, rendezvous at
+    127.0.0.1:``port``, with DeepSpeed's CPU accelerator and one OpenMP thread, then ``extra``: for the processes a
+    benchmark or a test spawns itself (``os.environ.update(...)`` in each, before torch starts its threads)."""
+    return {"DS_ACCELERATOR": "cpu", "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", **extra}

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench._common import fmt
+from bench._common import fmt, rank_environment
 
 MODELS = {
     # trainer/demo.py's tiny Qwen2 (vocabulary: the builtin arithmetic tokenizer's)
@@ -105,9 +105,7 @@ class _Job:
 
 def _process_env(rank: int, world: int, port: int) -> None:
     """What the launcher would set, and one intra-op thread (set before torch is imported)."""
-    os.environ.update({"DS_ACCELERATOR": "cpu", "RANK": str(rank), "LOCAL_RANK": str(rank),
-                       "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                       "OMP_NUM_THREADS": "1"})
+    os.environ.update(rank_environment(rank, world, port))
     import torch
 
     torch.set_num_threads(1)
