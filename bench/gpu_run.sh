@@ -2,7 +2,7 @@
 # The GPU run in one device call (bench/README.md, "The GPU run: one call"):
 #
 #   FASTCOV_COMMIT=<sha> bash bench/gpu_run.sh                 # on the lent GPU; rows under $OUT
-#   bash bench/gpu_run.sh --rehearse --out DIR                 # the same on CPU at toy sizes (tests/test_gpu_run.py)
+#   bash bench/gpu_run.sh --rehearse --out DIR                 # the same on CPU at toy sizes (tests/benchmarks/test_gpu_run.py)
 #
 # 1. checks the carried wheels (.whl/, from ../shared/gpu/prepare.sh) and installs them with fastcov;
 # 2. prints GPU, driver, CUDA, torch, triton, setuptools, numpy and pyarrow versions;

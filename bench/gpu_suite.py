@@ -56,6 +56,10 @@ from pathlib import Path
 import torch
 
 from bench import _measure as M
+from bench._common import fmt as _fmt
+from bench._common import is_oom, read_result, short
+from bench._common import log as _log
+from bench.gpu_worker import RESULT_MARK, StepRows, TrainSpec, step_fields
 from bench.kernels import jsonl_path as kernels_jsonl_path
 from bench.kernels import read_jsonl, render_jsonl_md
 
@@ -63,7 +67,6 @@ REPO = Path(__file__).resolve().parent.parent
 PARTS_ORDER = ("correctness", "kernels", "train", "pytest", "extra", "vllm")
 RUN_ORDER = ("correctness", "kernels", "train", "pytest", "extra")  # --part all, and gpu_run.sh
 SIZE_ALIASES = {"full": "full", "1.5b": "full", "smoke": "smoke", "tiny": "smoke", "rehearse": "rehearse"}
-RESULT_MARK = "@@GPU_SUITE_RESULT "
 BAD_STATUSES = ("error", "fail", "timeout", "OOM")
 GIB = 2**30
 # Seconds each part may take (its subprocesses are stopped there), per size; the run's --budget bounds them all.
@@ -75,7 +78,7 @@ PART_CAPS = {
 }
 NEEDS_WHOLE_CAP = ("extra",)
 # the files `pytest -m gpu` runs (the GPU-marked tests; collecting all of tests/ costs ~20 s)
-GPU_TEST_FILES = ("tests/test_linear_logprob_entropy.py", "tests/test_selection.py")
+GPU_TEST_FILES = ("tests/kernels/test_linear_logprob_entropy.py", "tests/library/test_selection.py")
 COMMIT_ENV = "FASTCOV_COMMIT"  # the commit id when the tree travels without .git
 # (module, distribution) whose versions the environment record holds; null where not installed
 PACKAGES = (("triton", "triton"), ("transformers", "transformers"), ("deepspeed", "deepspeed"),
@@ -126,20 +129,10 @@ TRAIN_SMOKE: list[str] = []  # tiny.yaml's model and batch as they are
 # the extra part's training steps: the train part's run with the optimizer offloaded, then with LoRA adapters
 TRAIN_EXTRA = {"offload": ["trainer.offload_optimizer=true"],
                "lora": ["model.lora_rank=16", "model.lora_alpha=32", "model.lora_dropout=0.0"]}
-TRL_MAX_ROWS = 32  # TRL micro-batch rows on the GPU (its loss materialises [rows, tokens, V] logits)
 
 
 def log(msg: str) -> None:
-    print(f"[gpu_suite] {msg}", file=sys.stderr, flush=True)
-
-
-def short(exc: BaseException, limit: int = 300) -> str:
-    text = " ".join(f"{type(exc).__name__}: {exc}".split())
-    return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-def is_oom(exc: BaseException) -> bool:
-    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+    _log(msg, "[gpu_suite] ")
 
 
 # =========================================================================== subprocesses
@@ -160,14 +153,8 @@ class Proc:
         return "\n".join(text[-lines:])
 
     def result(self) -> dict | None:
-        """The worker's result: its last RESULT_MARK line."""
-        for line in reversed(self.out.splitlines()):
-            if line.startswith(RESULT_MARK):
-                try:
-                    return json.loads(line[len(RESULT_MARK):])
-                except json.JSONDecodeError:
-                    return None
-        return None
+        """The worker's result: its last RESULT_MARK line (bench/gpu_worker.py)."""
+        return read_result(self.out, RESULT_MARK)
 
     def last_json(self) -> dict | None:
         """The last stdout line that is a JSON object (bench/vllm_smoke.py's result)."""
@@ -597,31 +584,26 @@ def record_autotune(s: Suite, part: str) -> None:
              compile_report=str(COMPILE_REPORT))
 
 
-def _fmt(x, spec: str) -> str:
-    return "—" if x is None else format(x, spec)
-
-
 # =========================================================================== part: train
 
 
-def train_spec(s: Suite, part: str = "train", label: str = "fastcov", extra: tuple[str, ...] = ()) -> dict:
+def train_spec(s: Suite, part: str = "train", label: str = "fastcov", extra: tuple[str, ...] = ()) -> TrainSpec:
     """The config file, overrides and step count the train worker and the TRL worker share, and where the
     worker appends its step rows (the suite's JSONL, as each step is logged)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     size = TRAIN_FULL if s.size == "full" else TRAIN_SMOKE
     # one step more than measured: the run stops after the last measured row, before any final checkpoint
     overrides = TRAIN_COMMON + size + list(extra) + [f"trainer.max_steps={s.steps + 1}", f"trainer.device={device}"]
-    return {"config": str(TRAIN_CONFIG), "overrides": overrides, "steps": s.steps,
-            "rows": {"path": str(s.path), "run": s.run_id, "part": part, "label": label, "size": s.size,
-                     "gpu": s.gpu}}
+    return TrainSpec(config=str(TRAIN_CONFIG), overrides=tuple(overrides), steps=s.steps,
+                     rows=StepRows(path=str(s.path), run=s.run_id, part=part, label=label, size=s.size, gpu=s.gpu))
 
 
-def plan_prediction(spec: dict) -> dict:
+def plan_prediction(spec: TrainSpec) -> dict:
     """``fastcov.plan.plan_recipe`` of the run's config on this one GPU (80 GiB without one), in GiB."""
     from fastcov.plan import plan_recipe
     from fastcov.trainer.config import load_config
 
-    cfg = load_config(spec["config"], spec["overrides"])
+    cfg = load_config(spec.config, list(spec.overrides))
     gib = torch.cuda.get_device_properties(0).total_memory / GIB if torch.cuda.is_available() else 80.0
     plan = plan_recipe(cfg, gpus=1, gpu_memory_gib=gib).to_dict()
     keys = ("peak", "training_total", "rollout_total", "parameters", "gradients", "optimizer_states", "activations",
@@ -642,15 +624,15 @@ def part_train(s: Suite) -> None:
     guarded(s, "train", "trl GRPOTrainer", lambda s: part_trl(s, spec))
 
 
-def train_run(s: Suite, part: str, label: str, extra: tuple[str, ...] = ()) -> dict:
+def train_run(s: Suite, part: str, label: str, extra: tuple[str, ...] = ()) -> TrainSpec:
     """One trainer worker: its step rows come from the worker as each step is logged; then the summary row."""
     spec = train_spec(s, part, label, extra)
     plan = plan_prediction(spec)
-    spec["ppo_epochs"] = plan["ppo_epochs"]
+    spec = spec.with_(ppo_epochs=plan["ppo_epochs"])
     with tempfile.TemporaryDirectory(prefix="gpu-suite-train-") as tmp:
-        spec["overrides"].append(f"trainer.run_dir={tmp}/run")
+        spec = spec.with_(overrides=[*spec.overrides, f"trainer.run_dir={tmp}/run"])
         # on CPU: DeepSpeed's CPU accelerator, and the trainer's kernels not under the rehearsal's interpreter
-        proc = s.run([sys.executable, "-m", "bench.gpu_suite", "--_worker", "train", "--_spec", json.dumps(spec)],
+        proc = s.run([sys.executable, "-m", "bench.gpu_worker", "train", spec.to_json()],
                      {} if torch.cuda.is_available() else {"DS_ACCELERATOR": "cpu", "TRITON_INTERPRET": "0"})
         metrics = Path(tmp) / "run" / "metrics.jsonl"
         rows = [r for r in (read_jsonl(metrics) if metrics.is_file() else []) if r.get("step", 0) >= 1]
@@ -660,34 +642,12 @@ def train_run(s: Suite, part: str, label: str, extra: tuple[str, ...] = ()) -> d
     return spec
 
 
-def step_row(spec: dict, r: dict) -> dict:
-    """The suite row of one logged training step (what the worker appends as the step is logged)."""
-    where = spec["rows"]
-    f = step_fields(r, spec.get("ppo_epochs", 1))
-    parts = ", ".join(f"{k[5:]} {v:.2f}" for k, v in f.items() if k.startswith("time/") and k != "time/step")
-    return {"run": where["run"], "part": where["part"], "name": f"{where['label']} step {f['step']}", "status": "ok",
-            "reason": "", "summary": f"{f['time/step']:.2f} s ({parts}); rollout "
-            f"{_fmt(f['rollout_tokens_per_s'], '.0f')} tok/s, update {_fmt(f['update_tokens_per_s'], '.0f')} tok/s"
-            + (" [warm-up]" if f["step"] == 1 else ""), "size": where["size"], "gpu": where["gpu"],
-            "at": _dt.datetime.now().isoformat(timespec="seconds"), "warmup": f["step"] == 1, **f}
-
-
-def step_fields(r: dict, ppo_epochs: int) -> dict:
-    """One metrics.jsonl row as the suite records it: the time/* keys, rollout and update tokens/s."""
-    tokens = r["tokens_per_s"] * r["time/step"]  # prompt + response tokens of the step's batch
-    upd = r.get("time/update")
-    return {"step": r["step"], **{k: v for k, v in r.items() if k.startswith("time/")}, "tokens": tokens,
-            "tokens_per_s": r["tokens_per_s"], "rollout_tokens_per_s": r.get("tokens_per_s/rollout"),
-            "update_tokens_per_s": tokens * ppo_epochs / upd if upd else None,
-            **{k: r.get(k) for k in ("response_len", "entropy", "selected_frac", "applied_steps", "kept_groups")}}
-
-
 def _median(rows: list[dict], key: str) -> float | None:
     vals = [r[key] for r in rows if r.get(key) is not None]
     return statistics.median(vals) if vals else None
 
 
-def record_train(s: Suite, spec: dict, proc: Proc, rows: list[dict], plan: dict, part: str = "train",
+def record_train(s: Suite, spec: TrainSpec, proc: Proc, rows: list[dict], plan: dict, part: str = "train",
                  label: str = "fastcov") -> None:
     """The run's summary row (its step rows are the worker's): medians after the warm-up, peak memory, plan."""
     res = proc.result() or {}
@@ -697,7 +657,7 @@ def record_train(s: Suite, spec: dict, proc: Proc, rows: list[dict], plan: dict,
     med = {k: _median(measured, k) for k in keys + ["rollout_tokens_per_s", "update_tokens_per_s", "tokens"]}
     peak = res.get("peak_allocated_bytes")
     peak_gib = peak / GIB if peak is not None else None
-    status = ("ok" if res.get("ok") and len(steps) == spec["steps"] else "timeout" if proc.timed_out
+    status = ("ok" if res.get("ok") and len(steps) == spec.steps else "timeout" if proc.timed_out
               else "OOM" if res.get("oom") else "error")
     reason = "" if status == "ok" else (res.get("error") or f"worker exited {proc.rc}: {proc.tail(4)}")
     summary = (f"median of {len(measured)} step(s) after warm-up: {_fmt(med.get('time/step'), '.2f')} s/step, rollout "
@@ -708,19 +668,18 @@ def record_train(s: Suite, spec: dict, proc: Proc, rows: list[dict], plan: dict,
              peak_reserved_bytes=res.get("peak_reserved_bytes"), peak_rss_bytes=res.get("peak_rss_bytes"),
              plan=plan, plan_peak_gib=plan["peak_gib"],
              measured_over_plan=peak_gib / plan["peak_gib"] if peak_gib is not None else None,
-             overrides=spec["overrides"], config=spec["config"], wall_s=proc.wall_s, returncode=proc.rc,
+             overrides=list(spec.overrides), config=spec.config, wall_s=proc.wall_s, returncode=proc.rc,
              traceback=res.get("traceback"))
 
 
-def part_trl(s: Suite, spec: dict) -> None:
+def part_trl(s: Suite, spec: TrainSpec) -> None:
     """TRL's own GRPOTrainer on the same model shape, prompts, group size and completion length (one worker)."""
     missing = [m for m in ("trl", "datasets") if importlib.util.find_spec(m) is None]
     if missing:
         s.record("train", "trl GRPOTrainer", "unavailable", f"{missing[0]} not installed")
         return
     with tempfile.TemporaryDirectory(prefix="gpu-suite-trl-") as tmp:
-        proc = s.run([sys.executable, "-m", "bench.gpu_suite", "--_worker", "trl", "--_spec",
-                      json.dumps({**spec, "output_dir": tmp})])
+        proc = s.run([sys.executable, "-m", "bench.gpu_worker", "trl", spec.with_(output_dir=tmp).to_json()])
     res = proc.result() or {}
     times = res.get("step_s") or []
     measured = times[1:] or times
@@ -735,153 +694,6 @@ def part_trl(s: Suite, spec: dict) -> None:
     s.record("train", "trl GRPOTrainer", status, reason, summary, step_s=times, median_step_s=med,
              peak_gpu_bytes=peak, trl=res.get("trl"), setup=res.get("setup"), log=res.get("log"),
              wall_s=proc.wall_s, traceback=res.get("traceback"))
-
-
-# --------------------------------------------------------------------------- the workers (subprocesses)
-
-
-class _Measured(Exception):
-    """Raised after the last measured step's metrics row: ends the run before a final checkpoint is written."""
-
-
-def gpu_peaks() -> dict:
-    import resource
-
-    out = {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
-    if torch.cuda.is_available():
-        out.update(peak_allocated_bytes=torch.cuda.max_memory_allocated(),
-                   peak_reserved_bytes=torch.cuda.max_memory_reserved())
-    return out
-
-
-def train_worker(spec: dict) -> dict:
-    """The project's ``train(cfg)`` for ``spec["steps"]`` steps; its metrics.jsonl holds the measurements."""
-    from fastcov.trainer import train as train_mod
-    from fastcov.trainer.config import load_config
-
-    cfg = load_config(spec["config"], spec["overrides"])
-    log_row = train_mod.Run.log_durably
-
-    def log_then_stop(run, rec):
-        log_row(run, rec)
-        if "rows" in spec and rec.get("step", 0) >= 1 and "time/step" in rec and "tokens_per_s" in rec:
-            M.append_jsonl(spec["rows"]["path"], step_row(spec, rec), default=str)  # a later kill keeps it
-        if rec.get("step") == spec["steps"]:
-            raise _Measured
-
-    train_mod.Run.log_durably = log_then_stop
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    try:
-        train_mod.train(cfg)
-    except _Measured:
-        pass
-    return {"wall_s": time.perf_counter() - t0, **gpu_peaks()}
-
-
-def _step_timer():
-    """A transformers TrainerCallback that records each optimizer step's wall time (end to end)."""
-    from transformers import TrainerCallback
-
-    class StepTimer(TrainerCallback):
-        def __init__(self):
-            self.last, self.times = None, []
-
-        def _now(self):
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            return time.perf_counter()
-
-        def on_train_begin(self, args, state, control, **kwargs):
-            self.last = self._now()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            now = self._now()
-            self.times.append(now - self.last)
-            self.last = now
-
-    return StepTimer()
-
-
-def trl_setup(cfg, spec: dict, tokenizer) -> tuple[dict, object, object]:
-    """(GRPOConfig kwargs, prompt dataset, reward function) matching the trainer's batch."""
-    import datasets
-
-    from fastcov.trainer.data.synthetic import generate
-    from fastcov.trainer.rewards import RewardFn
-
-    t, r, cuda = cfg.trainer, cfg.rollout, torch.cuda.is_available()
-    rows = t.prompts_per_step * r.n
-    per_micro = max(k for k in range(1, t.prompts_per_step + 1)
-                    if t.prompts_per_step % k == 0 and (k * r.n <= TRL_MAX_ROWS or k == 1)) * r.n
-    kwargs = dict(output_dir=spec["output_dir"], per_device_train_batch_size=per_micro,
-                  gradient_accumulation_steps=rows // per_micro, num_generations=r.n,
-                  max_completion_length=r.max_new_tokens, temperature=r.temperature, learning_rate=cfg.optim.lr,
-                  lr_scheduler_type="constant", max_grad_norm=cfg.optim.grad_clip, max_steps=spec["steps"],
-                  logging_steps=1, save_strategy="no", report_to="none", seed=t.seed,
-                  bf16=cuda, use_cpu=not cuda, beta=0.0, gradient_checkpointing=cfg.model.gradient_checkpointing,
-                  disable_tqdm=True, dataloader_num_workers=0)
-    problems = generate(t.prompts_per_step * spec["steps"], seed=cfg.data.synthetic.seed)
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p.question()}], add_generation_prompt=True,
-                                           tokenize=False) for p in problems]
-    data = datasets.Dataset.from_dict({"prompt": texts, "ground_truth": [str(p.answer) for p in problems]})
-    reward_fn = RewardFn(cfg.reward.kind, cfg.reward.timeout_s, "inline")
-
-    def math_reward(completions, ground_truth, **kwargs):
-        return reward_fn.batch(list(completions), list(ground_truth))
-
-    return kwargs, data, math_reward
-
-
-def trl_worker(spec: dict) -> dict:
-    """TRL's GRPOTrainer (its own loss and generation) on a fresh model of the trainer config's shape."""
-    import trl
-
-    from fastcov.trainer.config import load_config
-    from fastcov.trainer.runtime.distributed import pick_device
-    from fastcov.trainer.runtime.model import build_model, load_tokenizer
-
-    cfg = load_config(spec["config"], spec["overrides"])
-    device = pick_device(cfg.trainer.device)
-    tokenizer = load_tokenizer(cfg.model)
-    tokenizer.padding_side = "left"
-    torch.manual_seed(cfg.trainer.seed)
-    model = build_model(cfg.model, device, torch.float32, tokenizer)  # fp32 weights, bf16 autocast on a GPU
-    model.config.use_cache = True
-    kwargs, data, reward = trl_setup(cfg, spec, tokenizer)
-    timer = _step_timer()
-    trainer = trl.GRPOTrainer(model=model, reward_funcs=reward, args=trl.GRPOConfig(**kwargs), train_dataset=data,
-                              processing_class=tokenizer, callbacks=[timer])
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-    trainer.train()
-    history = [h for h in trainer.state.log_history if "loss" in h]
-    return {"step_s": timer.times, "trl": trl.__version__, "rows": cfg.trainer.prompts_per_step * cfg.rollout.n,
-            "per_device_train_batch_size": kwargs["per_device_train_batch_size"],
-            "setup": {k: v for k, v in kwargs.items() if k != "output_dir"},
-            "log": history[-1] if history else None, **gpu_peaks()}
-
-
-WORKERS = {"train": train_worker, "trl": trl_worker}
-
-
-def worker_main(kind: str, spec: dict) -> None:
-    """Run one worker (a subprocess of the suite); its last stdout line is RESULT_MARK + JSON ({"ok": ..., ...}).
-    It then leaves at once (``os._exit``): the trainer's NCCL group and DeepSpeed engine are not torn down,
-    so that no teardown can hang on the device's clock once the result is out."""
-    def stopped(signum, frame):  # the suite's SIGTERM at the cap: unwind, so that locks and files are released
-        raise SystemExit(f"stopped by signal {signum} (the part's time cap)")
-
-    signal.signal(signal.SIGTERM, stopped)
-    try:
-        res = {"ok": True, **WORKERS[kind](spec)}
-    except BaseException as exc:  # noqa: BLE001 - the parent records it
-        res = {"ok": False, "error": short(exc), "oom": is_oom(exc), "traceback": traceback.format_exc(limit=12),
-               **gpu_peaks()}
-    print(RESULT_MARK + json.dumps(res, default=str), flush=True)
-    sys.stderr.flush()
-    os._exit(0 if res["ok"] else 1)
 
 
 # =========================================================================== part: vllm
@@ -1112,8 +924,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rehearsal only: make a part raise at its start, or its subprocess hang until stopped")
     p.add_argument("--setup", metavar="TSV", help="gpu_run.sh's setup log: recorded as setup rows")
     p.add_argument("--render", metavar="JSONL", help="only write the markdown of a suite .jsonl (next to it)")
-    p.add_argument("--_worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
-    p.add_argument("--_spec", help=argparse.SUPPRESS)
     return p
 
 
@@ -1121,8 +931,6 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     p = build_parser()
     args = p.parse_args(argv)
-    if args._worker:
-        worker_main(args._worker, json.loads(args._spec))  # does not return
     if args.render:
         print(write_md(Path(args.render)))
         return 0

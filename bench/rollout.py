@@ -30,12 +30,9 @@ from pathlib import Path
 import torch
 
 from bench import _measure as M
+from bench._common import log
 
 SHORT = 16
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def build_model(hidden: int, layers: int, vocab: int, device: torch.device, dtype: torch.dtype):

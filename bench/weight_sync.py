@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench._common import fmt, rank_environment
+
 MODELS = {
     # trainer/demo.py's tiny Qwen2 (vocabulary: the builtin arithmetic tokenizer's)
     "demo": dict(model_type="qwen2", hidden_size=96, intermediate_size=256, num_hidden_layers=2,
@@ -103,9 +105,7 @@ class _Job:
 
 def _process_env(rank: int, world: int, port: int) -> None:
     """What the launcher would set, and one intra-op thread (set before torch is imported)."""
-    os.environ.update({"DS_ACCELERATOR": "cpu", "RANK": str(rank), "LOCAL_RANK": str(rank),
-                       "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                       "OMP_NUM_THREADS": "1"})
+    os.environ.update(rank_environment(rank, world, port))
     import torch
 
     torch.set_num_threads(1)
@@ -212,7 +212,7 @@ def run_case(model: str, zero: int, procs: int, buckets: list[float], repeats: i
 
 
 def _fmt(x, nd=1):
-    return "—" if x is None else f"{x:.{nd}f}"
+    return fmt(x, f".{nd}f")
 
 
 def write_results(rows: list[dict], env: dict, out_dir: Path, date: str) -> tuple[Path, Path]:

@@ -2,7 +2,7 @@
 
 ``python -m bench.compile`` compiles each entry for sm_80, sm_90a and sm_100a without a GPU
 (``triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget(...))``) and reads registers
-and spills from ``ptxas -v``; ``tests/test_compile.py`` checks that every ``@triton.jit`` function
+and spills from ``ptxas -v``; ``tests/kernels/test_compile.py`` checks that every ``@triton.jit`` function
 named ``*_kernel`` in this folder has a row here, so a new kernel cannot be left out of the report.
 
 A row gives the runtime signature with ``{dt}`` standing for the input dtype (pointers are assumed

@@ -256,7 +256,7 @@ def _dz_kernel(h_ptr, w_ptr, b_ptr, y_ptr, lse_ptr, ent_ptr, g_ptr, e_ptr, dz_pt
              mask=row_mask[:, None] & (offs_v < v_left)[None, :])
 
 
-# The autotune spaces (untuned for speed until a GPU run lands; bench/kernels.py --preset h100). Each
+# The autotune spaces (untuned for speed until a GPU run lands; python -m bench.kernels --preset h100). Each
 # config is spill-free on sm_90a and sm_100a for the dtype and switches it is offered to, as compiled
 # by `python -m bench.compile` (bench/results/compile/); 4-warp variants of the same tiles spilled
 # and were pruned. (BLOCK_N, BLOCK_V, BLOCK_D, num_warps, num_stages):

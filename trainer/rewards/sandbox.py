@@ -4,7 +4,7 @@
     res = box.run_python("print(int(input()) * 2)", stdin="21\\n")
     res.status, res.stdout          # ("ok", "42\\n")
 
-What confines the program (each piece is tested with a hostile program in tests/test_sandbox.py):
+What confines the program (each piece is tested with a hostile program in tests/trainer/rewards/test_sandbox.py):
 
 * a separate process, started through ``_sandbox_launcher.py`` (standard library only), whose process
   group is SIGKILLed when ``wall_s`` runs out;

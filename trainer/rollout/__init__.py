@@ -4,7 +4,7 @@ Hugging Face engine (hf.py; as the trainer builds it, one copy per node under Ze
 engine ``rollout.engine`` names through ``ROLLOUT_ENGINES``, where each engine module registers itself.
 
 May import: ``fastcov.*`` (not the CLI), ``fastcov.trainer.runtime.*`` and each other; never the loop,
-the config, rewards or experiments (docs/design.md, checked by tests/test_architecture.py).
+the config, rewards or experiments (docs/design.md, checked by tests/project/test_architecture.py).
 """
 
 from fastcov.trainer.rollout.base import (

@@ -4,9 +4,9 @@ adapter.
 Supported vLLM: ``>=0.26,<0.34`` (the ``vllm`` extra of pyproject). ``vllm`` is imported only when an engine
 is built; a missing one raises ImportError, one outside the range RuntimeError, both naming the installed
 version and the range. Every vLLM name the ``vllm_*`` modules use is checked against the source of vLLM
-0.26.0 and 0.33.0 by tests/test_vllm_api.py (``make test-vllm-api``); where the two differ, ``VLLMApi`` says
-which form to use. The modules by concern: vllm_wire.py (flat buckets, request bodies, output conversion),
-vllm_colocated.py (in-process engine and its ``fastcov_local`` transfer backend), vllm_server.py (HTTP
+0.26.0 and 0.33.0 by tests/trainer/rollout/test_vllm_api.py (``make test-vllm-api``); where the two differ,
+``VLLMApi`` says which form to use. The modules by concern: vllm_wire.py (flat buckets, request bodies, output
+conversion), vllm_colocated.py (in-process engine and its ``fastcov_local`` transfer backend), vllm_server.py (HTTP
 engine, weight senders, the ``serve`` command), vllm_plugin.py (the ``fastcov_gloo`` backend a server loads),
 vllm_factory.py (``make_vllm_engine``). docs/vllm.md has setup, modes and memory.
 """
@@ -18,7 +18,7 @@ from types import ModuleType
 
 SUPPORTED = ">=0.26,<0.34"
 _MIN, _BELOW = (0, 26), (0, 34)
-TESTED_VERSIONS = ("0.26.0", "0.33.0")  # the sources tests/test_vllm_api.py parses
+TESTED_VERSIONS = ("0.26.0", "0.33.0")  # the sources tests/trainer/rollout/test_vllm_api.py parses
 LOGPROBS_MODE = "raw_logprobs"
 LOCAL_BACKEND = "fastcov_local"  # the in-process weight-transfer backend registered by register_local_backend
 SERVER_BACKEND = "nccl"  # what a CUDA server with NCCL uses

@@ -52,7 +52,7 @@ def chunk_runs(sizes: list[int], buffer_bytes: int) -> list[range]:
     the current chunk until its size exceeds ``buffer_bytes``, then the chunk is closed (so a chunk may
     exceed the buffer by its last tensor). Sender and receiver must agree, so this mirrors
     ``packed_tensor.pack_tensors`` / ``packed_nccl_broadcast_consumer`` exactly (checked against the
-    source in tests/test_vllm_api.py)."""
+    source in tests/trainer/rollout/test_vllm_api.py)."""
     runs, start, total = [], 0, 0
     for i, n in enumerate(sizes):
         total += n

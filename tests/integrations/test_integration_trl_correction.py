@@ -1,0 +1,241 @@
+"""TRL's rollout-correction options in FastcovGRPOTrainer against TRL 1.16's own GRPOTrainer, end to end.
+
+The vLLM importance-sampling correction (each of the four ``vllm_importance_sampling_mode``s), sequence-level
+importance sampling (GSPO), loss_type cispo / sapo / luspo / vespo (cispo and sapo also at sequence level),
+``off_policy_mask_threshold`` and
+``use_bias_correction_kl``: the same tiny model trained by both trainers for a few plain-SGD steps gives the same
+loss at every step and the same update of every parameter. There is no vLLM here: generation is TRL's own
+(transformers) path with the sampler's per-token log-probs returned beside the completions, as vLLM returns them,
+and ``use_vllm`` set on the trainer after construction. ``steps_per_generation=2`` with one micro-batch per step
+makes the second step of each rollout off-policy (its ratios are not 1). One config also runs on 2 processes.
+"""
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+from _dist import free_port, set_rank_environment, shutdown_process_group, spawn_ranks
+
+pytest.importorskip("trl")
+pytest.importorskip("datasets")
+
+PROMPTS = ["12+7=", "3*4=", "9-5=", "20/4="]
+STEPS = 4
+LR = 0.5
+
+
+def sampler_logps(ids: list[int]) -> list[float]:
+    """A stand-in for vLLM's log-probs of the sampled tokens: near the tiny model's (≈ log 1/160), off by a
+    deterministic few percent per token, so the importance ratios π_old / π_sampler spread around 1."""
+    return [math.log(1 / 160) + 0.08 * math.sin(1.7 * tok + 0.9 * pos) for pos, tok in enumerate(ids)]
+
+
+def _run(kind: str, out_dir: str, model, vllm: bool, options: dict, world: int = 1) -> dict:
+    import datasets
+    import trl
+    from test_integration_trl import reward_digits, tiny_tokenizer
+
+    from fastcov.integrations.trl import FastcovGRPOConfig, FastcovGRPOTrainer
+
+    base, config_cls = (trl.GRPOTrainer, trl.GRPOConfig) if kind == "trl" else (FastcovGRPOTrainer, FastcovGRPOConfig)
+    losses = []
+
+    class Recording(base):
+        def _compute_loss(self, model, inputs):
+            loss = super()._compute_loss(model, inputs)
+            losses.append(float(loss.detach()))
+            return loss
+
+        def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, **kwargs):
+            use_vllm, self.use_vllm = self.use_vllm, False  # TRL's transformers generation, then vLLM's log-probs
+            try:
+                ids, _ = super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, **kwargs)
+            finally:
+                self.use_vllm = use_vllm
+            return ids, [sampler_logps(row) for row in ids]
+
+    extra = dict(fastcov_loss_mode="vanilla") if kind == "fastcov" else {}
+    kwargs = dict(
+        output_dir=f"{out_dir}/{kind}", use_cpu=True, bf16=False, report_to="none", save_strategy="no", seed=0,
+        max_steps=STEPS, logging_steps=1, learning_rate=LR, lr_scheduler_type="constant", optim="sgd",
+        max_grad_norm=1e6, per_device_train_batch_size=4 // world, gradient_accumulation_steps=1,
+        steps_per_generation=2, num_generations=4, max_completion_length=6, disable_tqdm=True,
+        dataloader_num_workers=0, accelerator_config={"use_configured_state": world > 1},
+    )
+    args = config_cls(**{**kwargs, **options, **extra})
+    trainer = Recording(model=model, reward_funcs=reward_digits, args=args,
+                        train_dataset=datasets.Dataset.from_dict({"prompt": PROMPTS}), processing_class=tiny_tokenizer())
+    trainer.use_vllm = vllm  # what TRL reads in its rollout and loss (vLLM itself is never called)
+    params = dict(trainer.model.named_parameters())
+    before = {n: p.detach().clone() for n, p in params.items()}
+    trainer.train()
+    updates = {n: (params[n].detach() - before[n]).tolist() for n in params}
+    spacing = {n: 2.0 ** -23 * float(params[n].detach().abs().max()) for n in params}  # fp32 parameters' resolution
+    logs = {k: v for row in trainer.state.log_history for k, v in row.items()
+            if k.startswith(("sampling/importance_sampling_ratio", "fastcov/"))}
+    return dict(losses=losses, updates=updates, spacing=spacing, logs=logs)
+
+
+def _check(ours: dict, theirs: dict, where, abs_loss: float = 1e-9) -> None:
+    import torch
+
+    assert len(theirs["losses"]) == STEPS, (where, theirs["losses"])
+    assert ours["losses"] == pytest.approx(theirs["losses"], rel=1e-6, abs=abs_loss), (where, ours["losses"],
+                                                                                  theirs["losses"])
+    moved = 0.0
+    for name, update in theirs["updates"].items():
+        a, b = torch.tensor(ours["updates"][name]), torch.tensor(update)
+        # an update is a difference of two fp32 parameters: known to 1e-6 of itself plus the parameters' spacing
+        tol = 1e-6 * float(b.abs().max()) + 4 * theirs["spacing"][name]
+        assert float((a - b).abs().max()) <= tol, (where, name, float((a - b).abs().max()), tol)
+        moved = max(moved, float(b.abs().max()))
+    assert moved > 1e-4, (where, "nothing trained")
+
+
+IS_BOUNDS = {"token": dict(vllm_importance_sampling_clip_max=1.04, vllm_importance_sampling_clip_min=0.96),
+             "sequence": dict(vllm_importance_sampling_clip_max=1.2, vllm_importance_sampling_clip_min=0.8)}
+CASES = {
+    **{f"is_{mode}": (True, dict(vllm_importance_sampling_mode=mode, **IS_BOUNDS[mode.split("_")[0]]))
+       for mode in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")},
+    # GSPO (with the token-level vLLM ratio: TRL's gradient takes each row's mean weight)
+    "gspo": (True, dict(importance_sampling_level="sequence", loss_type="grpo", epsilon=3e-3, epsilon_high=4e-3,
+                        vllm_importance_sampling_mode="token_truncate", **IS_BOUNDS["token"])),
+    "cispo": (False, dict(loss_type="cispo", epsilon_high=1.002)),
+    "sapo": (False, dict(loss_type="sapo", sapo_temperature_pos=2.0, sapo_temperature_neg=5.0)),
+    # at sequence level, with the token-level vLLM ratio (SAPO's gradient takes each row's mean weight, CISPO's not)
+    "cispo_sequence": (True, dict(loss_type="cispo", importance_sampling_level="sequence", epsilon_high=1.002,
+                                  vllm_importance_sampling_mode="token_truncate", **IS_BOUNDS["token"])),
+    "sapo_sequence": (True, dict(loss_type="sapo", importance_sampling_level="sequence", sapo_temperature_pos=2.0,
+                                 sapo_temperature_neg=5.0, vllm_importance_sampling_mode="token_truncate",
+                                 **IS_BOUNDS["token"])),
+    # VESPO folds the vLLM ratio into its sequence ratio (a masked token's ratio counts as 1e-8, which zeroes its
+    # sequence's weight: wider bounds leave some sequences to train), and takes the off-policy mask
+    "vespo": (True, dict(loss_type="vespo", vespo_k_neg=4.0, vespo_lambda_pos=2.5, off_policy_mask_threshold=0.01,
+                         vllm_importance_sampling_mode="token_mask", vllm_importance_sampling_clip_max=1.07,
+                         vllm_importance_sampling_clip_min=0.93)),
+    "vespo_truncate": (True, dict(loss_type="vespo", vllm_importance_sampling_mode="token_truncate",
+                                  **IS_BOUNDS["token"], beta=0.05)),  # and the bias-corrected KL
+    # LUSPO sums each sequence's tokens: a smaller step keeps its updates the size of the others'
+    "luspo": (False, dict(loss_type="luspo", importance_sampling_level="sequence", epsilon=3e-3, learning_rate=0.1,
+                          beta=0.05)),  # and TRL's bias-corrected KL with the sequence ratio
+    # the off-policy mask reads the sampler's log-probs (no vLLM correction); a threshold some sequences exceed
+    "off_policy_mask": (False, dict(off_policy_mask_threshold=0.01, loss_type="dapo")),
+    "bias_correction_kl": (False, dict(beta=0.1, use_bias_correction_kl=True, loss_type="bnpo")),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_correction_option_equals_trl(tmp_path, case):
+    from test_integration_trl import tiny_model
+
+    vllm, options = CASES[case]
+    if not vllm:
+        options = dict(vllm_importance_sampling_correction=False, **options)
+    model_dir = str(tmp_path / "model")  # a path: TRL loads the reference model (beta > 0) from it
+    tiny_model().save_pretrained(model_dir)
+    theirs = _run("trl", str(tmp_path), model_dir, vllm, options)
+    ours = _run("fastcov", str(tmp_path), model_dir, vllm, options)
+    _check(ours, theirs, case)
+    if case.startswith("is_"):  # the bounds really act on this rollout
+        low, high = (options[f"vllm_importance_sampling_clip_{k}"] for k in ("min", "max"))
+        seen = theirs["logs"]
+        if case.endswith("mask"):
+            assert seen["sampling/importance_sampling_ratio/min"] == 0.0, seen
+        else:
+            assert seen["sampling/importance_sampling_ratio/min"] == pytest.approx(low) or \
+                seen["sampling/importance_sampling_ratio/max"] == pytest.approx(high), seen
+        assert "fastcov/rollout_is_mean" in ours["logs"]
+    if case == "vespo":  # some tokens' ratios are masked (their sequences' weights fall to ~0), not all
+        assert theirs["logs"]["sampling/importance_sampling_ratio/min"] == 0.0, theirs["logs"]
+    if case == "off_policy_mask":
+        assert ours["logs"]["fastcov/off_policy_masked_fraction"] >= 0.0
+
+
+# ---------------------------------------------------------------- two processes
+
+WORLD = 2
+TWO_PROCESS_CASE = "gspo"  # GSPO, the token-level vLLM ratio and (below) the off-policy mask
+
+
+def _worker(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
+    set_rank_environment(rank, world, port, LOCAL_WORLD_SIZE=str(world))
+    import torch
+    from accelerate import PartialState
+
+    torch.set_num_threads(1)
+    result = {}
+    try:
+        PartialState(backend="gloo", cpu=True)
+        vllm, options = CASES[TWO_PROCESS_CASE]
+        options = dict(off_policy_mask_threshold=0.01, **options)
+        result = {kind: _run(kind, out_dir, model_dir, vllm, options, world=world) for kind in ("trl", "fastcov")}
+    except BaseException as exc:  # noqa: BLE001 - reported to the test, which fails naming it
+        import traceback
+
+        result["error"] = "".join(traceback.format_exception(exc))
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    try:
+        shutdown_process_group()
+    finally:
+        os._exit(0)
+
+
+@pytest.mark.slow
+def test_gspo_vllm_ratio_and_off_policy_mask_equal_trl_on_two_processes(tmp_path):
+    from test_integration_trl import tiny_model
+
+    model_dir = str(tmp_path / "model")
+    tiny_model().save_pretrained(model_dir)
+    spawn_ranks(_worker, (WORLD, free_port(), model_dir, str(tmp_path)), WORLD)
+    for rank in range(WORLD):
+        res = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert "error" not in res, f"rank {rank}:\n{res['error']}"
+        # a rank's loss is its share of a global mean: sums that cancel to near 0 carry the terms' rounding
+        _check(res["fastcov"], res["trl"], f"rank {rank}", abs_loss=5e-7)
+        assert sum(loss != 0.0 for loss in res["trl"]["losses"]) >= STEPS // 2, res["trl"]["losses"]  # not all masked
+
+
+# ---------------------------------------------------------------- the options' checks
+
+
+@pytest.mark.parametrize("overrides,option", [
+    (dict(loss_type="vespo", use_vllm=True, vllm_importance_sampling_mode="sequence_mask"),
+     "vllm_importance_sampling_mode"),
+    (dict(importance_sampling_level="sequence", top_entropy_quantile=0.5), "top_entropy_quantile"),
+    (dict(loss_type="sapo", importance_sampling_level="sequence", top_entropy_quantile=0.5), "top_entropy_quantile"),
+    (dict(importance_sampling_level="sequence", delta=2.0), "delta"),
+    (dict(loss_type="sapo", fastcov_loss_mode="kl_cov"), "fastcov_loss_mode"),
+    (dict(use_vllm=True, vllm_importance_sampling_mode="token"), "vllm_importance_sampling_mode"),
+    (dict(use_vllm=True, vllm_importance_sampling_clip_min=4.0), "vllm_importance_sampling_clip_min"),
+    (dict(off_policy_mask_threshold=-0.1), "off_policy_mask_threshold"),
+])
+def test_bad_correction_config_names_the_option(tmp_path, overrides, option):
+    from test_integration_trl import make_args
+
+    overrides.setdefault("fastcov_loss_mode", "vanilla")
+    with pytest.raises(ValueError, match=option) as info:
+        make_args(tmp_path, **overrides)
+    assert "\n" not in str(info.value)
+
+
+def test_trl_options_pick_the_mode(tmp_path):
+    from test_integration_trl import make_args
+
+    vllm = make_args(tmp_path, use_vllm=True, fastcov_loss_mode="kl_cov", kl_cov_ratio=0.5,
+                     steps_per_generation=2, gradient_accumulation_steps=1)  # TRL's default correction: accepted
+    assert vllm.vllm_importance_sampling_correction and vllm.fastcov_mode() == "kl_cov"
+    cispo = make_args(tmp_path, loss_type="cispo", fastcov_loss_mode="vanilla", epsilon_high=4.0, delta=2.0)
+    assert cispo.fastcov_mode() == "cispo" and cispo.fastcov_loss_config().cispo_clip_max == 4.0
+    assert cispo.fastcov_loss_config().dual_clip_c is None  # TRL ignores delta for CISPO
+    sapo = make_args(tmp_path, loss_type="sapo", fastcov_loss_mode="vanilla", sapo_temperature_neg=3.0)
+    assert sapo.fastcov_mode() == "sapo" and sapo.fastcov_loss_config().sapo_tau_neg == 3.0
+    gspo = make_args(tmp_path, importance_sampling_level="sequence", fastcov_loss_mode="vanilla")
+    assert gspo.fastcov_mode() == "gspo"
+    for loss_type, mode in (("cispo", "cispo_seq"), ("sapo", "sapo_seq"), ("vespo", "vespo")):
+        seq = make_args(tmp_path, loss_type=loss_type, importance_sampling_level="sequence", fastcov_loss_mode="vanilla",
+                        delta=2.0)  # TRL ignores delta for these loss types
+        assert seq.fastcov_mode() == mode and seq.fastcov_loss_config().dual_clip_c is None
+    vespo = make_args(tmp_path, loss_type="vespo", fastcov_loss_mode="vanilla", vespo_k_pos=1.5, vespo_lambda_neg=4.0)
+    assert (vespo.fastcov_loss_config().vespo_k_pos, vespo.fastcov_loss_config().vespo_lambda_neg) == (1.5, 4.0)

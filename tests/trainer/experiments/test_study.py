@@ -1,0 +1,244 @@
+"""Jin et al.'s re-weighting knobs in the config, and the study runner on the demo task (tiny settings)."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+ROOT = Path(__file__).resolve().parents[3]
+STUDY = ROOT / "configs" / "studies" / "jin-reweight.yaml"
+
+
+def test_study_file_carries_the_paper_values():
+    from fastcov.trainer.config import load_config, positive_weight_schedule
+    from fastcov.trainer.experiments.study import load_study
+
+    study = load_study(STUDY)
+    assert list(study["arms"]) == ["grpo", "grpo_reweight", "kl_cov"]
+    cfg = load_config(ROOT / study["base"], ["model.path=/m"] + study["common"] + study["arms"]["grpo_reweight"])
+    a = cfg.algo
+    p = a.pos_weight
+    assert p.enabled and (p.init, p.target_entropy, p.delta) == (0.0, 0.2, 0.05)
+    sched = positive_weight_schedule(a)
+    assert sched.value == 0.0
+    assert sched.step(entropy=0.3) == pytest.approx(0.05)  # H >= delta: lambda grows by Delta
+    assert sched.step(entropy=0.1) == pytest.approx(0.0)  # H < delta: it shrinks, clipped at 0
+
+
+def test_study_contrasts_name_two_of_its_arms(tmp_path):
+    from fastcov.cli import UserError
+    from fastcov.trainer.experiments.study import load_study
+
+    study = load_study(ROOT / "configs" / "studies" / "entropy-control.yaml")
+    assert "kl_cov - kl_cov_random" in study["contrasts"]
+    for bad in ('["kl_cov - nope"]', '["kl_cov"]', "[3]"):
+        path = tmp_path / "s.yaml"
+        path.write_text(f"arms: {{kl_cov: [algo.mode=kl_cov], grpo: [algo.mode=vanilla]}}\ncontrasts: {bad}\n")
+        with pytest.raises(UserError, match="contrasts"):
+            load_study(path)
+
+
+def test_study_task_sets_the_demo_problems_and_warm_start(tmp_path, monkeypatch):
+    """``task:`` reaches the task writer and the warm-start (recorded, not run); bad values name the key."""
+    from types import SimpleNamespace
+
+    from fastcov.cli import UserError
+    from fastcov.trainer.experiments import demo
+    from fastcov.trainer.experiments.study import _demo_setup, load_study
+
+    study = load_study(ROOT / "configs" / "studies" / "hard-task.yaml")
+    assert study["task"] == {"max_ops": 3, "max_value": 9, "style_weights": [0.05, 0.05, 0.45, 0.45]}
+    assert load_study(STUDY)["task"] == {"max_ops": 2, "max_value": 9, "style_weights": [0.25] * 4}
+    calls = {}
+    monkeypatch.setattr(demo, "write_task", lambda d, n_train, n_val, max_ops, max_value, seed:
+                        calls.setdefault("write", (n_train, n_val, max_ops, max_value)))
+    monkeypatch.setattr(demo, "warm_start", lambda d, data, scfg, max_ops, max_value:
+                        calls.setdefault("warm", (scfg.steps, scfg.style_weights, max_ops, max_value)))
+    args = SimpleNamespace(report_only=False, reuse_sft=False, sft_steps=7, n_train=64, n_val=5)
+    over = _demo_setup(tmp_path, args, study["task"])
+    assert calls == {"write": (64, 5, 3, 9), "warm": (7, (0.05, 0.05, 0.45, 0.45), 3, 9)}
+    assert over[0] == f"model.path={tmp_path / 'sft' / 'model'}"
+    arms = "arms: {grpo: [algo.mode=vanilla]}\n"
+    for bad, key in (("setup: demo\ntask: {max_ops: 0}", "task.max_ops"),
+                     ("setup: demo\ntask: {style_weights: [1, 1]}", "task.style_weights"),
+                     ("setup: demo\ntask: {style_weights: [0, 0, 0, 0]}", "task.style_weights"),
+                     ("setup: demo\ntask: {ops: 3}", "unknown task key 'ops'"),
+                     ("setup: none\ntask: {max_ops: 3}", "setup: demo only")):
+        path = tmp_path / "s.yaml"
+        path.write_text(arms + bad + "\n")
+        with pytest.raises(UserError, match=key):
+            load_study(path)
+
+
+@pytest.mark.slow
+def test_study_runs_three_arms_and_reports(tmp_path):
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("transformers")
+    from fastcov.trainer.experiments.study import main
+
+    rc = main([str(STUDY), "--out", str(tmp_path), "--sft-steps", "2", "--n-train", "64", "--n-val", "4",
+               "trainer.max_steps=1", "trainer.prompts_per_step=4", "rollout.n=4", "algo.mini_batches=2",
+               "trainer.eval_every=1", "trainer.eval_k=2", "rollout.max_new_tokens=12", "trainer.progress=false"])
+    assert rc == 0
+    text = (tmp_path / "report.md").read_text()
+    for arm in ("grpo", "grpo_reweight", "kl_cov"):
+        assert f"| {arm} |" in text
+    assert "pass@2" in text and (tmp_path / "reliability.png").is_file()
+    rows = [json.loads(ln) for ln in (tmp_path / "grpo_reweight" / "metrics.jsonl").read_text().splitlines()]
+    lams = [r["lambda"] for r in rows if "lambda" in r]
+    assert lams == [0.0]  # the re-weighting arm starts at lambda 0 (the schedule's steps: the test above)
+    assert all(r.get("lambda") == 1.0 for r in
+               [json.loads(ln) for ln in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()] if "lambda" in r)
+
+
+@pytest.mark.slow
+def test_multi_seed_study_reports_intervals_and_the_law(tmp_path):
+    """configs/studies/entropy-control.yaml's arms x 2 seeds at a tiny size: every arm/seed trains, and the
+    report carries mean ± CI, the gap to GRPO, the selection table and the law holdout."""
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("transformers")
+    from fastcov.trainer.experiments.study import load_study, main
+
+    study_file = ROOT / "configs" / "studies" / "entropy-control.yaml"
+    study = load_study(study_file)
+    assert study["seeds"] == [0, 1, 2] and set(study["arms"]) == {"grpo", "clip_cov", "kl_cov", "kl_cov_beta0",
+                                                                 "kl_cov_random"}
+    rc = main([str(study_file), "--out", str(tmp_path), "--sft-steps", "2", "--n-train", "64", "--n-val", "4",
+               "--seeds", "0,1", "--arms", "grpo,kl_cov_random", "trainer.max_steps=20", "trainer.eval_every=20",
+               "trainer.eval_k=2", "trainer.prompts_per_step=2", "rollout.n=4", "algo.mini_batches=1",
+               "rollout.max_new_tokens=6", "trainer.progress=false"])
+    assert rc == 0
+    text = (tmp_path / "report.md").read_text()
+    assert "| grpo | 2 |" in text and "| kl_cov_random | 2 |" in text and " ± " in text
+    assert "kl_cov_random − grpo, final entropy" in text and "Entropy law on grpo" in text
+    summary = json.loads((tmp_path / "study.json").read_text())
+    assert summary["seeds"] == [0, 1] and set(summary["runs"]) == {"grpo/seed0", "grpo/seed1", "kl_cov_random/seed0",
+                                                                   "kl_cov_random/seed1"}
+    m0 = (tmp_path / "grpo" / "seed0" / "metrics.jsonl").read_text()
+    m1 = (tmp_path / "grpo" / "seed1" / "metrics.jsonl").read_text()
+    assert m0 != m1, "seeds must change the run"
+    assert (tmp_path / "entropy_bands.png").is_file()
+    # the start model and every run evaluated on the problems with one operation more, in their own table
+    harder = json.loads((tmp_path / "kl_cov_random" / "seed1" / "harder_eval.json").read_text())
+    assert harder["seed"] == 1 and harder["start"]["prompts"] == harder["end"]["prompts"] == 4
+    assert "Held-out problems with one operation more than any training problem (4 prompts" in text
+    assert set(summary["harder"]["arms"]) == {"grpo", "kl_cov_random"}
+    assert (tmp_path / "harder.png").is_file() and "![problems with one operation more](harder.png)" in text
+    # --report-only trains nothing and writes the same report again, keeping the recorded wall time
+    (tmp_path / "report.md").unlink()
+    metrics_before = m0
+    rc = main([str(study_file), "--out", str(tmp_path), "--seeds", "0,1", "--arms", "grpo,kl_cov_random",
+               "--report-only"])
+    assert rc == 0 and (tmp_path / "report.md").read_text() == text
+    assert (tmp_path / "grpo" / "seed0" / "metrics.jsonl").read_text() == metrics_before
+    assert main([str(study_file), "--out", str(tmp_path / "none"), "--seeds", "0", "--report-only"]) == 2
+
+
+def test_last_step_reads_the_newest_complete_row_of_this_run(tmp_path):
+    import time
+
+    from fastcov.trainer.experiments.runs import _last_step
+
+    m = tmp_path / "metrics.jsonl"
+    assert _last_step(m, 0.0) == 0  # not written yet
+    m.write_text('{"step": 0}\n{"step": 1, "entropy": 0.3}\n{"step": 2, "ent')  # a torn last line
+    assert _last_step(m, 0.0) == 1
+    assert _last_step(m, time.time() + 60) == 0  # older than the watch: an earlier run's file
+
+
+SELECTION = ROOT / "configs" / "studies" / "selection.yaml"
+
+
+def test_selection_study_pairs_each_method_with_its_random_control():
+    """configs/studies/selection.yaml (issue 34): KL-Cov at 0.05-0.5 against cov_score=random, Clip-Cov at the
+    demo's setting against cov_score=random_matched, each pair alike but for the score; GRPO; 3 seeds; the
+    demo's task and evaluation."""
+    from fastcov.trainer.config import load_config
+    from fastcov.trainer.experiments.study import _selection_pairs, load_study
+
+    study = load_study(SELECTION)
+    control = load_study(ROOT / "configs" / "studies" / "entropy-control.yaml")
+    assert study["seeds"] == [0, 1, 2] and study["setup"] == "demo" and study["common"] == control["common"]
+    assert study["task"] == control["task"] and study["arms"]["grpo"] == ["algo.mode=vanilla"]
+    demo = load_config(ROOT / "configs" / "demo.yaml", ["model.path=/m"])
+    seeds = study["seeds"]
+    cfgs = {(a, sd): load_config(ROOT / study["base"], ["model.path=/m"] + study["common"] + over)
+            for a, over in study["arms"].items() for sd in seeds}
+    pairs = _selection_pairs(study, list(study["arms"]), seeds, cfgs)
+    assert len(pairs) == len(study["selection_contrasts"]) == 6
+    for p in pairs:
+        arm, ctrl = cfgs[(p["arm"], 0)], cfgs[(p["control"], 0)]
+        assert arm.algo.cov_score == "batch" and ctrl.algo.cov_score == p["control_score"]
+        assert p["control_score"] == {"kl_cov": "random", "clip_cov": "random_matched"}[p["method"]]
+        # the pair differs in the score only
+        assert ctrl == load_config(ROOT / study["base"], ["model.path=/m"] + study["common"] + study["arms"][p["arm"]]
+                                   + [f"algo.cov_score={p['control_score']}"])
+    kl = sorted((p["ratio"], p["prompts"]) for p in pairs if p["method"] == "kl_cov")
+    assert kl == [(0.05, 16), (0.05, 32), (0.1, 16), (0.2, 16), (0.5, 16)]
+    clip = [p for p in pairs if p["method"] == "clip_cov"]
+    assert [(p["ratio"], p["prompts"]) for p in clip] == [(demo.algo.clip_cov_ratio, demo.trainer.prompts_per_step)]
+    assert _selection_pairs(study, ["grpo", "clip_cov", "clip_cov_random"], seeds, cfgs)[0]["arm"] == "clip_cov"
+
+
+def test_selection_contrasts_name_two_of_its_arms(tmp_path):
+    from fastcov.cli import UserError
+    from fastcov.trainer.experiments.study import load_study
+
+    path = tmp_path / "s.yaml"
+    path.write_text("arms: {kl_cov: [algo.mode=kl_cov]}\nselection_contrasts: ['kl_cov - kl_cov_random']\n")
+    with pytest.raises(UserError, match="selection_contrasts entries are 'ARM - ARM'"):
+        load_study(path)
+
+
+@pytest.mark.slow
+def test_selection_study_smoke_reports_the_selection_section(tmp_path):
+    """One seed of three arms at a tiny size: the per-seed layout, the selection section and its plot, the
+    random control's overlap metric, and --report-only writing the same report from the cached runs."""
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("transformers")
+    from fastcov.trainer.experiments.study import main
+
+    args = [str(SELECTION), "--out", str(tmp_path), "--seeds", "0", "--arms", "grpo,clip_cov,clip_cov_random"]
+    rc = main(args + ["--sft-steps", "2", "--n-train", "64", "--n-val", "4", "trainer.max_steps=3",
+                      "trainer.eval_every=3", "trainer.eval_k=2", "trainer.prompts_per_step=2", "rollout.n=4",
+                      "algo.mini_batches=1", "rollout.max_new_tokens=6", "algo.clip_cov_ratio=0.2",
+                      "algo.clip_cov_lb=-10.0", "trainer.progress=false"])
+    assert rc == 0
+    text = (tmp_path / "report.md").read_text()
+    assert "## Selection − random, per ratio" in text and "| clip_cov | 0.2 | 2 |" in text
+    assert "With one seed per arm there are no intervals" in text and (tmp_path / "selection.png").is_file()
+    rows = [json.loads(ln) for ln in (tmp_path / "clip_cov_random" / "seed0" / "metrics.jsonl").read_text().splitlines()]
+    assert all(0 <= r["sel/jaccard_vs_cov"] <= 1 for r in rows if r.get("selected_frac"))
+    summary = json.loads((tmp_path / "study.json").read_text())
+    tokens = summary["selection"][0]["tokens"]  # the band holds every token: both detach k = ⌊0.2·n⌋ per update
+    assert tokens["arm"]["mean"] > 0 and tokens["control"]["mean"] > 0
+    (tmp_path / "report.md").unlink()
+    assert main(args + ["--report-only"]) == 0 and (tmp_path / "report.md").read_text() == text
+
+
+def test_controllers_study_smoke_reports_how_each_arm_holds_the_target(tmp_path):
+    """configs/studies/controllers.yaml at a tiny size, 2 arms x 2 seeds: the report's target section (error,
+    share within 10%, first arrival per seed) and the panel plot, and the controller's value in the numbers."""
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("transformers")
+    from fastcov.trainer.experiments.study import main
+
+    study_file = ROOT / "configs" / "studies" / "controllers.yaml"
+    rc = main([str(study_file), "--out", str(tmp_path), "--sft-steps", "2", "--n-train", "64", "--n-val", "4",
+               "--seeds", "0,1", "--arms", "grpo,bonus_adaptive", "trainer.max_steps=6", "trainer.eval_every=6",
+               "trainer.eval_k=2", "trainer.prompts_per_step=2", "rollout.n=4", "algo.mini_batches=1",
+               "rollout.max_new_tokens=6", "trainer.progress=false"])
+    assert rc == 0
+    text = (tmp_path / "report.md").read_text()
+    assert "How each arm holds the target 0.25 nats/token" in text
+    assert "| bonus_adaptive |" in text and "bonus_adaptive − grpo, mean abs(H − target)" in text
+    assert "![entropy against the target](entropy_target.png)" in text and (tmp_path / "entropy_target.png").is_file()
+    summary = json.loads((tmp_path / "study.json").read_text())
+    held = summary["target_holding"]
+    assert held["target"] == 0.25 and set(held["arms"]) == {"grpo", "bonus_adaptive"}
+    assert len(held["arms"]["grpo"]["first_step_within_10pct"]) == 2
+    values = [json.loads(line).get("entropy_control/value")
+              for line in (tmp_path / "bonus_adaptive" / "seed0" / "metrics.jsonl").read_text().splitlines()]
+    assert any(v is not None for v in values)

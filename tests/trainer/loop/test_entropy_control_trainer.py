@@ -1,0 +1,207 @@
+"""The trainer's entropy controls: algo.entropy_control (checkpointed, logged, resumed bit-exact),
+algo.entropy_advantage (Cheng et al.'s shaping), the one-line warning for on-policy KL-Cov, their config errors."""
+
+import math
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+pytest.importorskip("deepspeed")
+pytest.importorskip("transformers")
+
+from _fixtures import ROOT, TINY, VOLATILE
+
+from fastcov.trainer import entropy_control
+from fastcov.trainer import train as train_mod
+from fastcov.trainer.config import ConfigError, load_config
+from fastcov.trainer.rewards import RewardFn
+from fastcov.trainer.runtime.batch import Sequence
+from fastcov.trainer.runtime.run_dir import read_metrics
+
+
+@pytest.fixture(autouse=True)
+def varied_rewards(monkeypatch):
+    monkeypatch.setattr(RewardFn, "__call__", lambda self, text, truth: float(len(text) % 2))
+
+
+def tiny(tmp_path, name, *overrides):
+    return load_config(TINY, [f"trainer.run_dir={tmp_path / name}", "reward.sandbox=inline", "trainer.eval_every=0",
+                              *overrides])
+
+
+def stable(recs):
+    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in recs]
+
+
+def test_controller_resumes_bit_exact_and_follows_its_rule(tmp_path):
+    # an untrained tiny model's entropy is ~log V: a target above it makes the bonus grow, gated TRL-style
+    over = ["trainer.max_steps=4", "trainer.save_every=2", "algo.entropy_control.target=50.0",
+            "algo.entropy_control.delta=0.02", "algo.entropy_control.init=0.01", "algo.entropy_control.gate=true",
+            "algo.entropy_control.inclusive=true"]
+    full = train_mod.train(tiny(tmp_path, "full", *over))
+    cut = tiny(tmp_path, "cut", *over)
+    train_mod.train(cut, stop_at=2)
+    train_mod.train(cut, resume=True)
+    a = stable(read_metrics(full / "metrics.jsonl"))
+    b = stable(read_metrics(tmp_path / "cut" / "metrics.jsonl"))
+    assert [r["step"] for r in b] == [1, 2, 3, 4] and a == b
+    values = [r["entropy_control/value"] for r in a]
+    # step 1: no measurement yet, the gate holds the bonus off; then 0.01 + 0.02 per step (H <= target)
+    assert values == pytest.approx([0.0, 0.03, 0.05, 0.07], abs=1e-12)
+    assert all(r["entropy_control/error"] == pytest.approx(50.0 - r["entropy"]) for r in a)
+
+
+def test_a_controller_that_never_moves_changes_no_number(tmp_path):
+    """The controlled path (LossConfig rebuilt with the knob) with delta 0 and the configured value equals the run
+    without a controller: the controller adds arithmetic only through the knob."""
+    over = ["trainer.max_steps=2", "algo.mode=kl_cov"]
+    plain = stable(read_metrics(train_mod.train(tiny(tmp_path, "plain", *over)) / "metrics.jsonl"))
+    held = stable(read_metrics(train_mod.train(tiny(
+        tmp_path, "held", *over, "algo.entropy_control.target=1.0", "algo.entropy_control.knob=kl_cov_coef",
+        "algo.entropy_control.delta=0.0")) / "metrics.jsonl"))
+    extra = {"entropy_control/value", "entropy_control/error"}
+    assert [{k: v for k, v in r.items() if k not in extra} for r in held] == plain
+    assert [r["entropy_control/value"] for r in held] == [1.0, 1.0]
+
+
+def test_entropy_advantage_shapes_and_logs(tmp_path):
+    over = ["trainer.max_steps=1", "algo.mode=vanilla"]
+    plain = read_metrics(train_mod.train(tiny(tmp_path, "plain", *over)) / "metrics.jsonl")[-1]
+    shaped = read_metrics(train_mod.train(tiny(tmp_path, "shaped", *over, "algo.entropy_advantage.alpha=0.1"))
+                          / "metrics.jsonl")[-1]
+    assert shaped["entropy_advantage/bonus"] > 0 and "entropy_advantage/bonus" not in plain
+    assert shaped["entropy"] == plain["entropy"] and shaped["loss"] != plain["loss"]
+
+
+def test_shape_advantages_on_sequences():
+    cfg = load_config(TINY, ["algo.entropy_advantage.alpha=0.3", "algo.entropy_advantage.kappa=2.0"])
+    gen = torch.Generator().manual_seed(4)
+    seqs = []
+    for i in range(4):
+        n = 3 + i
+        s = Sequence([1, 2], list(range(n)), [0.0] * n, group=i, advantage=float(torch.randn(1, generator=gen)))
+        s.old_entropy = (torch.rand(n, generator=gen) * 2).tolist()
+        if i == 3:
+            s.token_advantages = torch.randn(n, generator=gen).tolist()  # token-level (REINFORCE++ KL, PRIME)
+        seqs.append(s)
+    before = [list(s.token_advantages) if s.token_advantages else [s.advantage] * len(s.response) for s in seqs]
+    sums = entropy_control.shape_advantages(seqs, cfg.algo)
+    total = 0.0
+    for s, adv in zip(seqs, before, strict=True):
+        want = [a + min(0.3 * h, abs(a) / 2.0) for a, h in zip(adv, s.old_entropy, strict=True)]
+        assert s.token_advantages == pytest.approx(want, rel=1e-6, abs=1e-7)
+        total += sum(w - a for w, a in zip(want, adv, strict=True))
+    n = sum(len(s.response) for s in seqs)
+    assert sums["entropy_advantage/bonus"] == pytest.approx(total / n, rel=1e-5)
+
+
+@pytest.mark.parametrize("over, warned", [
+    (["algo.mode=kl_cov", "algo.mini_batches=1"], True),
+    (["algo.mode=kl_cov", "algo.mini_batches=2"], False),
+    (["algo.mode=kl_cov", "algo.mini_batches=1", "algo.ppo_epochs=2"], False),
+    (["algo.mode=clip_cov", "algo.mini_batches=1"], False),
+])
+def test_on_policy_kl_cov_warns_once_in_one_line(over, warned):
+    cfg = load_config(TINY, over)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        entropy_control.start(cfg.algo, rank=0)
+        entropy_control.start(cfg.algo, rank=1)  # only rank 0 says it
+    msgs = [str(w.message) for w in caught]
+    assert len(msgs) == int(warned)
+    if warned:
+        assert "\n" not in msgs[0] and "algo.mini_batches" in msgs[0] and "algo.ppo_epochs" in msgs[0]
+
+
+@pytest.mark.parametrize("over, key", [
+    (["algo.entropy_control.target=0.3"], "algo.entropy_control.delta"),
+    (["algo.entropy_control.target=0.3", "algo.entropy_control.delta=0.1", "algo.entropy_control.knob=kl_cov_coef"],
+     "algo.entropy_control.knob"),
+    (["algo.entropy_control.target=0.3", "algo.entropy_control.rule=proportional"], "algo.entropy_control.min"),
+    (["algo.entropy_control.target=0.3", "algo.entropy_control.delta=0.1", "algo.entropy_control.knob=pos_weight",
+      "algo.pos_weight.enabled=true"], "algo.entropy_control.knob"),
+    (["algo.entropy_control.target=0.3", "algo.entropy_control.delta=0.1", "algo.entropy_control.knob=clip_cov_ratio",
+      "algo.entropy_control.gate=true"], "algo.entropy_control.gate"),
+    (["algo.entropy_control.target=0.3", "algo.entropy_control.delta=0.1", "algo.entropy_control.init=2.0"],
+     "algo.entropy_control.init"),
+    (["algo.entropy_control.tagret=0.3"], "algo.entropy_control.target"),
+    (["algo.entropy_control.target=-0.3", "algo.entropy_control.delta=0.1"], "algo.entropy_control.target"),
+    (["algo.entropy_control.target=0.3", "algo.entropy_control.rule=proportional", "algo.entropy_control.min=0.01",
+      "algo.entropy_control.gain=0"], "algo.entropy_control.gain"),
+    (["algo.entropy_control.target=0.3", "algo.entropy_control.delta=0.1", "algo.entropy_control.max=-1.0"],
+     "algo.entropy_control.max"),
+    (["algo.entropy_control.target=0.3", "algo.entropy_control.delta=0.1", "algo.entropy_control.min=0.5",
+      "algo.entropy_control.max=0.2"], "algo.entropy_control.min"),
+    (["algo.entropy_advantage.alpha=-1"], "algo.entropy_advantage.alpha"),
+    (["algo.entropy_advantage.kappa=0"], "algo.entropy_advantage.kappa"),
+])
+def test_bad_config_names_the_key(over, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as info:
+        load_config(TINY, over)
+    assert "\n" not in str(info.value)
+
+
+def test_the_controllers_study_loads_every_arm():
+    """configs/studies/controllers.yaml (make study-controllers): every arm is a valid run config."""
+    from fastcov.trainer.experiments.study import load_study
+
+    study = load_study(ROOT / "configs" / "studies" / "controllers.yaml")
+    for name, over in study["arms"].items():
+        cfg = load_config(ROOT / "configs" / "demo.yaml", list(study["common"]) + list(over))
+        assert (cfg.algo.entropy_control.target is not None) == ("entropy_control" in " ".join(over)), name
+        assert entropy_control.start(cfg.algo, rank=1) is None or cfg.algo.entropy_control.target == study["target"]
+    # the arms issue 41 names, each with what makes it that arm
+    wanted = {"grpo": "algo.mode=vanilla", "bonus_fixed": "algo.entropy_coef=", "bonus_adaptive": "gate=true",
+              "clip_higher": "algo.clip_high=0.28", "clip_cov": "algo.mode=clip_cov", "kl_cov": "algo.mode=kl_cov",
+              "kl_cov_beta_target": "knob=kl_cov_coef", "kl_cov_ratio_target": "knob=kl_cov_ratio",
+              "high_entropy_20": "algo.high_entropy_fraction=0.2", "entropy_advantage": "algo.entropy_advantage.alpha="}
+    for arm, marker in wanted.items():
+        assert marker in " ".join(study["arms"][arm]), arm
+
+
+# ---------------------------------------------------------------- 2 ranks = 1 process
+
+CONTROL = ["algo.entropy_control.target=50.0", "algo.entropy_control.knob=entropy_coef",
+           "algo.entropy_control.rule=proportional", "algo.entropy_control.init=0.01", "algo.entropy_control.min=1e-4",
+           "algo.entropy_control.max=0.9", "algo.entropy_control.gain=0.3"]
+
+
+def _ranks_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    import json
+
+    from _dist import set_rank_environment, shutdown_process_group
+
+    set_rank_environment(rank, world, port)
+    torch.set_num_threads(1)
+    RewardFn.__call__ = lambda self, text, truth: float(len(text) % 2)
+    cfg = load_config(TINY, [f"trainer.run_dir={out_dir}/run", "trainer.max_steps=3", "reward.sandbox=inline",
+                             "trainer.eval_every=0", "rollout.seeding=per_sample", *CONTROL])
+    train_mod.train(cfg)
+    Path(out_dir, f"done{rank}").write_text(json.dumps(True))
+    shutdown_process_group()
+
+
+@pytest.mark.slow
+def test_controller_on_two_ranks_follows_one_process(tmp_path):
+    """The controller reads the entropy of the whole rollout batch over all ranks: on 2 ranks (per-sample seeds, so
+    the same samples) its values and errors equal the 1-process run's, up to the reduction order's rounding."""
+    from _dist import free_port, spawn_ranks
+
+    rows = {}
+    for world in (1, 2):
+        out = tmp_path / f"w{world}"
+        out.mkdir()
+        spawn_ranks(_ranks_worker, (world, free_port(), str(out)), world)
+        rows[world] = read_metrics(out / "run" / "metrics.jsonl")
+    one, two = rows[1], rows[2]
+    assert [r["step"] for r in one] == [r["step"] for r in two] == [1, 2, 3]
+    for a, b in zip(one, two, strict=True):
+        for key in ("entropy", "entropy_control/value", "entropy_control/error"):
+            assert math.isclose(a[key], b[key], rel_tol=1e-6), (a["step"], key, a[key], b[key])
+    values = [r["entropy_control/value"] for r in one]
+    assert values[0] == 0.01 and values[2] > values[1] > values[0]  # H ≈ 5 ≪ 50: the bonus grows
