@@ -240,18 +240,21 @@ class VerifyPool:
         self.timeouts = 0
         self.deaths = 0
 
-    def run(self, jobs: list[tuple[str, str]]) -> list[bool | None]:
-        results: list[bool | None] = [None] * len(jobs)
-        queue = collections.deque(range(len(jobs)))
-        tries = [0] * len(jobs)
-        failed_starts = 0
-        wanted = min(len(self.workers), len(jobs))
+    def _revive(self, wanted: int) -> None:
+        """Start again each of the first ``wanted`` workers that is dead."""
         for w in self.workers[:wanted]:
             if w.state == "dead" or w.proc is None or not w.proc.is_alive():
                 if w.state != "dead":
                     self.deaths += 1  # died while idle (or starting), since the last batch
                 w.kill()
                 w.start(self.startup_s)
+
+    def run(self, jobs: list[tuple[str, str]]) -> list[bool | None]:
+        results: list[bool | None] = [None] * len(jobs)
+        queue = collections.deque(range(len(jobs)))
+        tries = [0] * len(jobs)
+        failed_starts = 0
+        self._revive(min(len(self.workers), len(jobs)))
 
         def restart(w: _Worker) -> None:
             w.kill()
