@@ -1,6 +1,6 @@
 """Trainer benchmark: fastcov's trainer against TRL's ``GRPOTrainer`` on the same model, prompts and settings.
 
-    python -m bench.trainer                           # CPU: cases a, b, c (about 10 minutes on 2 cores)
+    python -m bench.trainer                           # CPU: cases a, b, c (about 14 minutes on 2 shared cores)
     python -m bench.trainer --cases a --steps 4       # one case, shorter
     python -m bench.trainer --preset gpu-1.5b         # CUDA: Qwen2.5-1.5B's decoder shape (bench/gpu_run.sh)
 
@@ -35,8 +35,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Presets: the model (a Qwen2 config on the demo's tokenizer), its warm start, and the RL run's size.
 PRESETS: dict[str, dict] = {
-    "cpu": dict(device="cpu", hidden=256, layers=4, heads=4, kv_heads=2, intermediate=768, sft_steps=200,
-                sft_lr=3e-3, prompts=16, n=8, max_new=32, long_new=128, mini_batches=8, lr=1e-4, steps=10,
+    # the issue's CPU run: ~14 minutes from a clean clone on 2 shared cores (warm start ~4 of them)
+    "cpu": dict(device="cpu", hidden=256, layers=4, heads=4, kv_heads=2, intermediate=768, sft_steps=150,
+                sft_lr=3e-3, prompts=16, n=8, max_new=32, long_new=128, mini_batches=8, lr=1e-4, steps=5,
                 warmup=1, threads=1),
     # seconds, for the test: a tiny model, two rollout batches of 2 prompts x 4
     "tiny": dict(device="cpu", hidden=32, layers=1, heads=2, kv_heads=1, intermediate=64, sft_steps=10,
@@ -187,8 +188,10 @@ def run_fastcov(spec: dict) -> dict:
     cfg = load_config(ROOT / "configs" / "demo.yaml", over)
     original = hf_rollout.HFRolloutEngine.generate
     max_len: list[int] = []  # the longest answer of each rollout batch
+    setup_rss: list[float] = []  # RSS as each rollout starts: the first is the set-up's (model, optimizer, data)
 
     def generate(self, *a, **k):
+        setup_rss.append(rss_mb())
         call = original
         if case == "b":
             if not hasattr(self, "_bench_force"):
@@ -215,7 +218,7 @@ def run_fastcov(spec: dict) -> dict:
                       "generated_tokens": gen, "reward": r["reward_mean"], "response_len": r["response_len"],
                       "max_response_len": max_len.pop(0) if max_len else None})
     return {"steps": steps, "rss_base_mb": base, "peak_rss_mb": peak_rss_mb(), "wall_s": wall,
-            "optimizer_steps_per_batch": p["mini_batches"],
+            "rss_setup_mb": setup_rss[0] if setup_rss else None, "optimizer_steps_per_batch": p["mini_batches"],
             "settings": {"algo.mode": "kl_cov" if case == "c" else "vanilla", "algo.loss_agg": "token-mean",
                          "algo.mini_batches": p["mini_batches"], "rollout.seeding": cfg.rollout.seeding,
                          "algo.scope": cfg.algo.scope}}
@@ -285,7 +288,15 @@ def run_trl(spec: dict) -> dict:
     gen = trainer._generate_single_turn
     if case == "b":
         gen = ForceLong(trainer.model, tok.unk_token_id).wrap(gen)
-    trainer._generate_single_turn = timed("rollout_s", gen)
+    setup_rss: list[float] = []
+
+    def first_rss(fn):
+        def wrapped(*a, **k):
+            setup_rss.append(rss_mb())
+            return fn(*a, **k)
+        return wrapped
+
+    trainer._generate_single_turn = timed("rollout_s", first_rss(gen))
     trainer._get_per_token_logps_and_entropies = timed(
         "logprob_s", trainer._get_per_token_logps_and_entropies, lambda: not torch.is_grad_enabled())
     calc = trainer._calculate_rewards
@@ -322,7 +333,7 @@ def run_trl(spec: dict) -> dict:
     trainer.train()
     wall = time.perf_counter() - t0
     return {"steps": batches, "rss_base_mb": base, "peak_rss_mb": peak_rss_mb(), "wall_s": wall,
-            "optimizer_steps_per_batch": S,
+            "rss_setup_mb": setup_rss[0] if setup_rss else None, "optimizer_steps_per_batch": S,
             "settings": {"loss_type": "bnpo", "steps_per_generation": S, "per_device_train_batch_size":
                          common["per_device_train_batch_size"], "gradient_accumulation_steps": 1,
                          "num_generations": p["n"], "scale_rewards": "group", "beta": 0.0,
@@ -355,7 +366,8 @@ def summarize(trainer: str, case: str, res: dict, p: dict, spec: dict) -> dict:
         "logprob_s": med["logprob_s"], "update_s": med["update_s"],
         "tokens_per_s": gen / max(total, 1e-9),
         "rollout_tokens_per_s": gen / max(sum(s.get("rollout_s", 0.0) for s in timed), 1e-9),
-        "peak_rss_mb": res["peak_rss_mb"], "rss_base_mb": res["rss_base_mb"],
+        "peak_rss_mb": res["peak_rss_mb"], "rss_base_mb": res["rss_base_mb"], "rss_setup_mb": res["rss_setup_mb"],
+        "train_rss_mb": res["peak_rss_mb"] - res["rss_setup_mb"] if res["rss_setup_mb"] else None,
         "reward_first": rewards[0] if rewards else None, "reward_last": rewards[-1] if rewards else None,
         "reward_first_half": statistics.fmean(rewards[:half]) if rewards else None,
         "reward_second_half": statistics.fmean(rewards[half:]) if len(rewards) > 1 else None,
@@ -413,20 +425,44 @@ def ratios(rows: list[dict]) -> list[dict]:
     return out
 
 
+def render(rows: list[dict]) -> str:
+    """Markdown: one row per trainer and case (medians per rollout batch), then the ratios."""
+    out = ["| case | trainer | s / optimizer step | rollout s | old log-prob s | update s | tokens/s | peak RSS MB "
+           "| RSS growth in training MB | reward first → last (mean 1st half → 2nd half) |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        out.append(f"| {r['case']} {r['case_name']} | {r['trainer']} | {r['step_s']:.3f} | {r['rollout_s']:.2f} | "
+                   f"{r['logprob_s']:.2f} | {r['update_s']:.2f} | {r['tokens_per_s']:.0f} | {r['peak_rss_mb']:.0f} | "
+                   f"{r['train_rss_mb'] or 0:.0f} | {r['reward_first']:.3f} → {r['reward_last']:.3f} "
+                   f"({r['reward_first_half']:.3f} → {r['reward_second_half']:.3f}) |")
+    out += ["", "| case | against | speed-up (its s/step ÷ fastcov's) | rollout | old log-prob | update | "
+            "fastcov peak RSS ÷ its |", "|---|---|---:|---:|---:|---:|---:|"]
+    for q in ratios(rows):
+        lp = "—" if q["logprob"] is None else f"{q['logprob']:.2f}×"
+        out.append(f"| {q['case']} {q['case_name']} | {q['vs']} | {q['speedup']:.2f}× | {q['rollout']:.2f}× | {lp} | "
+                   f"{q['update']:.2f}× | {q['peak_rss']:.2f} |")
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.trainer", description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     ap.add_argument("--cases", default="a,b,c", help="comma-separated subset of a, b, c")
     ap.add_argument("--steps", type=int, default=None, help="measured rollout batches (after the warm-up ones)")
     ap.add_argument("--warmup", type=int, default=None, help="rollout batches left out of the medians")
+    ap.add_argument("--lr", type=float, default=None, help="learning rate of both trainers (the preset's by default)")
     ap.add_argument("--work", default="runs/bench-trainer", help="data, warm start and run directories")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--jsonl", default=None, help="where the lines go (default <out>/<device>/trainer-<date>.jsonl)")
     ap.add_argument("--case-timeout", type=float, default=900.0)
+    ap.add_argument("--render", default=None, metavar="JSONL", help="print the tables of a results file")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child is not None:
         return child(json.loads(args.child))
+    if args.render is not None:
+        print(render([json.loads(line) for line in Path(args.render).read_text().splitlines() if line.strip()]))
+        return 0
     import torch
 
     from bench import _measure as M
@@ -436,6 +472,8 @@ def main(argv: list[str] | None = None) -> int:
         p["steps"] = args.steps
     if args.warmup is not None:
         p["warmup"] = args.warmup
+    if args.lr is not None:
+        p["lr"] = args.lr
     if p["device"] == "cuda" and not torch.cuda.is_available():
         log("[bench.trainer] preset needs CUDA; none here")
         return 2
