@@ -229,7 +229,7 @@ def run_trl(spec: dict) -> dict:
     import datasets
     import pandas as pd
     import torch
-    from transformers import AutoModelForCausalLM, TrainerCallback
+    from transformers import AutoModelForCausalLM
 
     from fastcov.trainer.config import load_config
     from fastcov.trainer.rewards import math_reward
@@ -251,6 +251,26 @@ def run_trl(spec: dict) -> dict:
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
         return [float(x) for x in scorer.batch(texts, list(truth))]
 
+    args, cls = trl_args(spec)
+    trainer = cls(model=model, reward_funcs=reward, args=args, train_dataset=ds, processing_class=tok)
+    batches, setup_rss = instrument_trl(trainer, tok, case, p["mini_batches"])
+    base = rss_mb()
+    t0 = time.perf_counter()
+    trainer.train()
+    wall = time.perf_counter() - t0
+    S = p["mini_batches"]
+    return {"steps": batches, "rss_base_mb": base, "peak_rss_mb": peak_rss_mb(), "wall_s": wall,
+            "rss_setup_mb": setup_rss[0] if setup_rss else None, "optimizer_steps_per_batch": S,
+            "settings": {"loss_type": "bnpo", "steps_per_generation": S, "per_device_train_batch_size":
+                         args.per_device_train_batch_size, "gradient_accumulation_steps": 1,
+                         "num_generations": p["n"], "scale_rewards": "group", "beta": 0.0,
+                         **({"fastcov_loss_mode": "kl_cov", "fastcov_scope": "microbatch"}
+                            if who == "trl+fastcov" else {})}}
+
+
+def trl_args(spec: dict):
+    """(config, trainer class): TRL's options set to match fastcov's (docs/benchmarks.md has the mapping)."""
+    p, case, who = spec["preset"], spec["case"], spec["trainer"]
     common = dict(
         output_dir=str(Path(spec["work"]) / f"run-{spec['preset_name']}-{case}-{who}"), use_cpu=p["device"] == "cpu",
         bf16=p["device"] == "cuda", report_to="none", save_strategy="no", seed=0, disable_tqdm=True,
@@ -271,7 +291,16 @@ def run_trl(spec: dict) -> dict:
         from trl import GRPOConfig, GRPOTrainer
 
         args, cls = GRPOConfig(**common), GRPOTrainer
-    trainer = cls(model=model, reward_funcs=reward, args=args, train_dataset=ds, processing_class=tok)
+    return args, cls
+
+
+def instrument_trl(trainer, tok, case: str, S: int) -> tuple[list[dict], list[float]]:
+    """Wraps the trainer's rollout, log-prob and reward methods and adds a callback, so that each rollout batch
+    (``S`` optimizer steps) appends its phases' seconds, reward and generated tokens to the returned list; the
+    second list gets the RSS as each rollout starts. Case b forces one long answer per rollout (ForceLong)."""
+    import torch
+    from transformers import TrainerCallback
+
     batches: list[dict] = []
     cur: dict = {}
 
@@ -309,7 +338,6 @@ def run_trl(spec: dict) -> dict:
         return out
 
     trainer._calculate_rewards = rewards
-    S = p["mini_batches"]
     clock = {"t": 0.0}
 
     class Clock(TrainerCallback):
@@ -328,17 +356,7 @@ def run_trl(spec: dict) -> dict:
                 clock["t"] = now
 
     trainer.add_callback(Clock())
-    base = rss_mb()
-    t0 = time.perf_counter()
-    trainer.train()
-    wall = time.perf_counter() - t0
-    return {"steps": batches, "rss_base_mb": base, "peak_rss_mb": peak_rss_mb(), "wall_s": wall,
-            "rss_setup_mb": setup_rss[0] if setup_rss else None, "optimizer_steps_per_batch": S,
-            "settings": {"loss_type": "bnpo", "steps_per_generation": S, "per_device_train_batch_size":
-                         common["per_device_train_batch_size"], "gradient_accumulation_steps": 1,
-                         "num_generations": p["n"], "scale_rewards": "group", "beta": 0.0,
-                         **({"fastcov_loss_mode": "kl_cov", "fastcov_scope": "microbatch"}
-                            if who == "trl+fastcov" else {})}}
+    return batches, setup_rss
 
 
 def child(spec: dict) -> int:
