@@ -80,3 +80,21 @@ def test_tiny_run_writes_one_line_per_trainer(tmp_path, capsys):
         assert 0.0 <= r["reward_first"] <= 1.0 and 0.0 <= r["reward_last"] <= 1.0
         assert r["machine"] and "load average" in r["load"] and len(r["per_step"]) == 2
         assert 0 < r["mean_response_len"] <= r["max_new_tokens"] == 8
+
+
+def test_gpu_suite_part_is_registered_outside_the_default_order():
+    from bench import gpu_suite as S
+
+    assert "trainer" in S.PARTS and "trainer" in S.PARTS_ORDER and "trainer" not in S.RUN_ORDER
+    assert all("trainer" in caps for caps in S.PART_CAPS.values())
+    assert "gpu-1.5b" in B.PRESETS and B.PRESETS["gpu-1.5b"]["device"] == "cuda"
+
+
+@pytest.mark.slow
+def test_gpu_suite_trainer_part_at_smoke_size(tmp_path):
+    from bench import gpu_suite as S
+
+    assert S.main(["--parts", "trainer", "--size", "smoke", "--out", str(tmp_path)]) == 0
+    rows = [json.loads(line) for p in tmp_path.rglob("suite-*.jsonl") for line in p.read_text().splitlines()]
+    (row,) = [r for r in rows if r.get("part") == "trainer" and r.get("name") == "bench.trainer"]
+    assert row["status"] == "ok" and "a fastcov" in row["summary"] and "a trl" in row["summary"]
