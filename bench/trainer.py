@@ -189,9 +189,11 @@ def run_fastcov(spec: dict) -> dict:
     original = hf_rollout.HFRolloutEngine.generate
     max_len: list[int] = []  # the longest answer of each rollout batch
     setup_rss: list[float] = []  # RSS as each rollout starts: the first is the set-up's (model, optimizer, data)
+    peaks: list[float] = []
 
     def generate(self, *a, **k):
         setup_rss.append(rss_mb())
+        peaks.append(peak_rss_mb())  # the peak so far: through the previous rollout batch
         call = original
         if case == "b":
             if not hasattr(self, "_bench_force"):
@@ -209,14 +211,16 @@ def run_fastcov(spec: dict) -> dict:
     wall = time.perf_counter() - t0
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     rows = [r for r in rows if "time/step" in r]
+    peaks = peaks[1:] + [peak_rss_mb()]  # batch i's peak: the peak when batch i + 1 starts, the last at the end
     steps = []
-    for r in rows:
+    for i, r in enumerate(rows):
         n_rows = p["prompts"] * p["n"]
         gen = r["response_len"] * n_rows
         steps.append({"rollout_s": r["time/rollout"], "logprob_s": r.get("time/old_logprob", 0.0),
                       "update_s": r["time/update"], "total_s": r["time/step"] - r.get("time/save", 0.0),
                       "generated_tokens": gen, "reward": r["reward_mean"], "response_len": r["response_len"],
-                      "max_response_len": max_len.pop(0) if max_len else None})
+                      "max_response_len": max_len.pop(0) if max_len else None,
+                      "peak_rss_mb": peaks[i] if i < len(peaks) else None})
     return {"steps": steps, "rss_base_mb": base, "peak_rss_mb": peak_rss_mb(), "wall_s": wall,
             "rss_setup_mb": setup_rss[0] if setup_rss else None, "optimizer_steps_per_batch": p["mini_batches"],
             "settings": {"algo.mode": "kl_cov" if case == "c" else "vanilla", "algo.loss_agg": "token-mean",
@@ -351,6 +355,7 @@ def instrument_trl(trainer, tok, case: str, S: int) -> tuple[list[dict], list[fl
                 row["total_s"] = now - clock["t"]
                 row["update_s"] = row["total_s"] - row.get("rollout_s", 0.0) - row.get("logprob_s", 0.0)
                 row.setdefault("logprob_s", 0.0)
+                row["peak_rss_mb"] = peak_rss_mb()
                 batches.append(row)
                 cur.clear()
                 clock["t"] = now

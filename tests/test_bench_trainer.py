@@ -79,6 +79,7 @@ def test_tiny_run_writes_one_line_per_trainer(tmp_path, capsys):
             assert math.isfinite(r[key]) and r[key] > 0, (r["trainer"], key)
         assert 0.0 <= r["reward_first"] <= 1.0 and 0.0 <= r["reward_last"] <= 1.0
         assert r["machine"] and "load average" in r["load"] and len(r["per_step"]) == 2
+        assert all(0 < s["peak_rss_mb"] <= r["peak_rss_mb"] for s in r["per_step"])
         assert 0 < r["mean_response_len"] <= r["max_new_tokens"] == 8
 
 
