@@ -1,6 +1,6 @@
 """Trainer benchmark: fastcov's trainer against TRL's ``GRPOTrainer`` on the same model, prompts and settings.
 
-    python -m bench.trainer                           # CPU: cases a, b, c (about 14 minutes on 2 shared cores)
+    python -m bench.trainer                           # CPU: cases a, b, c (~15 minutes on 2 shared cores)
     python -m bench.trainer --cases a --steps 4       # one case, shorter
     python -m bench.trainer --preset gpu-1.5b         # CUDA: Qwen2.5-1.5B's decoder shape (bench/gpu_run.sh)
 
@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Presets: the model (a Qwen2 config on the demo's tokenizer), its warm start, and the RL run's size.
 PRESETS: dict[str, dict] = {
-    # the issue's CPU run: ~14 minutes from a clean clone on 2 shared cores (warm start ~4 of them)
+    # the CPU run: 15.5 minutes from an empty --work on 2 cores at load ~6-13 (warm start 3.6 of them; 5.9 CPU minutes)
     "cpu": dict(device="cpu", hidden=256, layers=4, heads=4, kv_heads=2, intermediate=768, sft_steps=150,
                 sft_lr=3e-3, prompts=16, n=8, max_new=32, long_new=128, mini_batches=8, lr=1e-4, steps=5,
                 warmup=1, threads=1),
