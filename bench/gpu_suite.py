@@ -64,7 +64,7 @@ from bench.kernels import jsonl_path as kernels_jsonl_path
 from bench.kernels import read_jsonl, render_jsonl_md
 
 REPO = Path(__file__).resolve().parent.parent
-PARTS_ORDER = ("correctness", "kernels", "train", "pytest", "extra", "vllm")
+PARTS_ORDER = ("correctness", "kernels", "train", "pytest", "extra", "vllm", "trainer")
 RUN_ORDER = ("correctness", "kernels", "train", "pytest", "extra")  # --part all, and gpu_run.sh
 SIZE_ALIASES = {"full": "full", "1.5b": "full", "smoke": "smoke", "tiny": "smoke", "rehearse": "rehearse"}
 BAD_STATUSES = ("error", "fail", "timeout", "OOM")
@@ -72,9 +72,12 @@ GIB = 2**30
 # Seconds each part may take (its subprocesses are stopped there), per size; the run's --budget bounds them all.
 # "extra" starts only when its whole cap is left ("only if time remains").
 PART_CAPS = {
-    "full": {"correctness": 50, "kernels": 160, "train": 100, "pytest": 45, "extra": 120, "vllm": 400},
-    "smoke": {"correctness": 120, "kernels": 300, "train": 300, "pytest": 300, "extra": 300, "vllm": 300},
-    "rehearse": {"correctness": 40, "kernels": 60, "train": 60, "pytest": 60, "extra": 600, "vllm": 60},
+    "full": {"correctness": 50, "kernels": 160, "train": 100, "pytest": 45, "extra": 120, "vllm": 400,
+             "trainer": 420},
+    "smoke": {"correctness": 120, "kernels": 300, "train": 300, "pytest": 300, "extra": 300, "vllm": 300,
+              "trainer": 300},
+    "rehearse": {"correctness": 40, "kernels": 60, "train": 60, "pytest": 60, "extra": 600, "vllm": 60,
+                 "trainer": 300},
 }
 NEEDS_WHOLE_CAP = ("extra",)
 # the files `pytest -m gpu` runs (the GPU-marked tests; collecting all of tests/ costs ~20 s)
@@ -738,7 +741,28 @@ def record_vllm(s: Suite, size: str, proc: Proc) -> None:
              checks=res.get("checks"), result_json=str(s.dir / f"vllm-smoke-{size}.json"), wall_s=proc.wall_s)
 
 
-# =========================================================================== running parts, output
+# =========================================================================== part: trainer
+
+
+def part_trainer(s: Suite) -> None:
+    """``python -m bench.trainer --preset gpu-1.5b`` (full size; ``tiny`` otherwise): fastcov's trainer against
+    TRL's GRPOTrainer at Qwen2.5-1.5B's decoder shape. Not in the default order: TRL is not in the GPU image and
+    the run alone needs most of one call (``--parts trainer --budget 420``)."""
+    if importlib.util.find_spec("trl") is None:
+        s.record("trainer", "bench.trainer", "unavailable", "trl not installed")
+        return
+    full = s.size == "full"
+    if full and not torch.cuda.is_available():
+        s.record("trainer", "bench.trainer", "unavailable", "needs CUDA")
+        return
+    out = s.dir / "trainer.jsonl"
+    proc = s.run([sys.executable, "-m", "bench.trainer", "--preset", "gpu-1.5b" if full else "tiny",
+                  "--cases", "a,b,c" if full else "a", "--work", str(s.dir / "bench-trainer"), "--jsonl", str(out)])
+    rows = read_jsonl(out) if out.is_file() else []
+    status = "ok" if proc.rc == 0 and rows else ("timeout" if proc.timed_out else "error")
+    summary = "; ".join(f"{r['case']} {r['trainer']} {r['step_s']:.3f} s/step" for r in rows)
+    s.record("trainer", "bench.trainer", status, "" if status == "ok" else f"exited {proc.rc}: {proc.tail(6)}",
+             summary, rows=str(out), wall_s=proc.wall_s)
 
 
 # =========================================================================== part: extra
@@ -766,7 +790,7 @@ def part_extra(s: Suite) -> None:
 
 
 PARTS = {"correctness": part_correctness, "kernels": part_kernels, "train": part_train, "pytest": part_pytest,
-         "extra": part_extra, "vllm": part_vllm}
+         "extra": part_extra, "vllm": part_vllm, "trainer": part_trainer}
 
 
 def guarded(s: Suite, part: str, name: str, fn) -> None:

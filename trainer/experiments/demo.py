@@ -211,21 +211,24 @@ def harder_lines(harder: dict[str, dict], ops: int) -> list[str]:
     return lines
 
 
-def warm_start(out_dir: Path, data_dir: Path, scfg: SFTConfig, max_ops: int, max_value: int) -> dict:
-    """Supervised warm-start of a fresh tiny Qwen2 on worked solutions; saves an HF model dir. Runs on
-    ``scfg.threads`` torch threads, so the model is the same on any machine."""
+def warm_start(out_dir: Path, data_dir: Path, scfg: SFTConfig, max_ops: int, max_value: int,
+               arch: dict | None = None, device: str = "cpu") -> dict:
+    """Supervised warm-start of a fresh tiny Qwen2 (``arch``: its config, the demo's ARCH by default) on worked
+    solutions, on ``device``; saves an HF model dir. Runs on ``scfg.threads`` torch threads, so the model is the
+    same on any machine."""
     import torch
 
     threads_before = torch.get_num_threads()
     if scfg.threads > 0:
         torch.set_num_threads(scfg.threads)
     try:
-        return _warm_start(out_dir, data_dir, scfg, max_ops, max_value)
+        return _warm_start(out_dir, data_dir, scfg, max_ops, max_value, arch, device)
     finally:
         torch.set_num_threads(threads_before)
 
 
-def _warm_start(out_dir: Path, data_dir: Path, scfg: SFTConfig, max_ops: int, max_value: int) -> dict:
+def _warm_start(out_dir: Path, data_dir: Path, scfg: SFTConfig, max_ops: int, max_value: int,
+                arch: dict | None = None, device: str = "cpu") -> dict:
     import torch
 
     from fastcov.trainer.config import ModelConfig
@@ -238,7 +241,7 @@ def _warm_start(out_dir: Path, data_dir: Path, scfg: SFTConfig, max_ops: int, ma
     tok = synthetic.build_tokenizer()
     val_q = {row["messages"][0]["content"] for row in read_parquet(data_dir / "val.parquet")}
     problems = synthetic.generate(scfg.n_problems, scfg.seed + 555, 1, max_ops, max_value, exclude=val_q)
-    model = build_model(ModelConfig(arch=dict(ARCH), tokenizer="builtin:arith"), torch.device("cpu"),
+    model = build_model(ModelConfig(arch=dict(arch or ARCH), tokenizer="builtin:arith"), torch.device(device),
                         torch.float32, tok)
     policy = PolicyModel(model).train()
     opt = torch.optim.AdamW(policy.parameters(), lr=scfg.lr, weight_decay=0.0)
@@ -267,6 +270,7 @@ def _warm_start(out_dir: Path, data_dir: Path, scfg: SFTConfig, max_ops: int, ma
             ids[i, :n] = torch.tensor(p + r)
             att[i, :n] = 1
             labels[i, len(p) - 1 : n - 1] = torch.tensor(r)
+        ids, att, labels = ids.to(device), att.to(device), labels.to(device)
         out = policy(ids, att, labels, entropy=False)
         mask = labels != -100
         loss = -(out.logprob * mask).sum() / mask.sum()

@@ -1,0 +1,539 @@
+"""Trainer benchmark: fastcov's trainer against TRL's ``GRPOTrainer`` on the same model, prompts and settings.
+
+    python -m bench.trainer                           # CPU: cases a, b, c (~15 minutes on 2 shared cores)
+    python -m bench.trainer --cases a --steps 4       # one case, shorter
+    python -m bench.trainer --preset gpu-1.5b         # CUDA: Qwen2.5-1.5B's decoder shape (bench/gpu_run.sh)
+
+Both trainers start from the same warm-started Qwen2-architecture model (the demo's supervised warm start, at a
+larger size, built once into ``--work``) on the demo's task (synthetic arithmetic, binary reward) with the same
+prompts per step, rollouts per prompt, max new tokens, temperature, AdamW, learning rate, GRPO advantages, PPO clip,
+token-mean loss and optimizer steps per rollout batch. Each trainer runs in its own process, one after the other.
+
+Cases:
+  a  answers of similar length (the model's own, ~15 tokens): fastcov's trainer vs TRL's GRPOTrainer (TRL's loss)
+  b  one answer of each rollout batch forced to run to max new tokens, 8x the others' (``ForceLong``), same pair
+  c  KL-Cov: fastcov's trainer vs ``FastcovGRPOTrainer`` (fastcov's loss inside TRL), answers as in a
+
+Per rollout batch: rollout s, old-log-prob s, update s, total s, generated tokens/s, peak RSS, mean reward. The
+first ``--warmup`` batches are left out of the medians. One JSON line per trainer and case is appended to
+``<out>/<device>/trainer-<date>.jsonl`` and printed; the ratios (TRL's ÷ fastcov's) are printed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Presets: the model (a Qwen2 config on the demo's tokenizer), its warm start, and the RL run's size.
+PRESETS: dict[str, dict] = {
+    # the CPU run: 15.5 minutes from an empty --work on 2 cores at load ~6-13 (warm start 3.6 of them; 5.9 CPU minutes)
+    "cpu": dict(device="cpu", hidden=256, layers=4, heads=4, kv_heads=2, intermediate=768, sft_steps=150,
+                sft_lr=3e-3, prompts=16, n=8, max_new=32, long_new=128, mini_batches=8, lr=1e-4, steps=5,
+                warmup=1, threads=1),
+    # seconds, for the test: a tiny model, two rollout batches of 2 prompts x 4
+    "tiny": dict(device="cpu", hidden=32, layers=1, heads=2, kv_heads=1, intermediate=64, sft_steps=10,
+                 sft_lr=3e-3, prompts=2, n=4, max_new=8, long_new=24, mini_batches=2, lr=1e-4, steps=1,
+                 warmup=1, threads=1),
+    # Qwen2.5-1.5B's decoder (28 layers, hidden 1536, 12 heads / 2 KV heads, MLP 8960) on the demo's vocabulary
+    "gpu-1.5b": dict(device="cuda", hidden=1536, layers=28, heads=12, kv_heads=2, intermediate=8960, sft_steps=150,
+                     sft_lr=1e-4, prompts=16, n=8, max_new=32, long_new=256, mini_batches=8, lr=1e-6, steps=8,
+                     warmup=1, threads=0),
+}
+CASES = {"a": ("fastcov", "trl"), "b": ("fastcov", "trl"), "c": ("fastcov", "trl+fastcov")}
+CASE_NAMES = {"a": "similar-length", "b": "one-long", "c": "kl-cov"}
+KL_COV = dict(ratio=0.5, coef=1.0)  # configs/demo.yaml's KL-Cov
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def arch(p: dict) -> dict:
+    return dict(model_type="qwen2", hidden_size=p["hidden"], intermediate_size=p["intermediate"],
+                num_hidden_layers=p["layers"], num_attention_heads=p["heads"], num_key_value_heads=p["kv_heads"],
+                max_position_embeddings=512, tie_word_embeddings=False, rope_theta=10000.0)
+
+
+def prepare(work: Path, p: dict, preset: str) -> tuple[Path, Path]:
+    """The demo's task in ``work``/data and the warm-started model in ``work``/sft-<preset>/model (reused when it
+    was built with the same settings)."""
+    from fastcov.trainer.experiments import demo
+
+    data = work / "data"
+    if not (data / "train.parquet").is_file():
+        demo.write_task(data, 4000, demo.N_VAL, demo.MAX_OPS, demo.MAX_VALUE, seed=0)
+    sft = work / f"sft-{preset}"
+    stamp = json.dumps({"arch": arch(p), "steps": p["sft_steps"], "lr": p["sft_lr"]}, sort_keys=True)
+    if (sft / "model" / "config.json").is_file() and (sft / "stamp.json").is_file() \
+            and (sft / "stamp.json").read_text() == stamp:
+        log(f"[bench.trainer] reusing the warm start {sft / 'model'}")
+        return data, sft / "model"
+    log(f"[bench.trainer] warm start: {p['sft_steps']} supervised steps of a Qwen2 (hidden {p['hidden']}, "
+        f"{p['layers']} layers)")
+    scfg = demo.SFTConfig(steps=p["sft_steps"], lr=p["sft_lr"], threads=max(p["threads"], 0) or 0)
+    res = demo.warm_start(sft, data, scfg, demo.MAX_OPS, demo.MAX_VALUE, arch=arch(p), device=p["device"])
+    (sft / "stamp.json").write_text(stamp)
+    log(f"[bench.trainer] warm start done: loss {res['sft_loss']:.3f} in {res['sft_seconds']:.0f}s")
+    return data, sft / "model"
+
+
+# --------------------------------------------------------------------------- forced answer lengths (case b)
+
+
+class ForceLong:
+    """While ``active``: in each generation call, the first row of the prefill batch emits ``filler`` (a token the
+    model never produces: the tokenizer's unknown token) at every step instead of sampling, so it never emits eos
+    and runs to max new tokens; every other row samples as usual. The row is followed through the decode steps by
+    its last token (``filler``), so it holds in an engine that drops finished rows (fastcov's) and in one that keeps
+    them (``generate``). A pre-hook on the model reads the step's input ids, a hook on the LM head edits the last
+    position's logits; outside generation (log-probs, training) both do nothing."""
+
+    def __init__(self, model, filler: int):
+        self.filler, self.active, self.rows = filler, False, None
+        self.handles = [model.register_forward_pre_hook(self._pre, with_kwargs=True),
+                        model.get_output_embeddings().register_forward_hook(self._post)]
+
+    def _pre(self, module, args, kwargs):
+        if not self.active:
+            return
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None:
+            self.rows = None
+        elif ids.shape[1] > 1:  # prefill: the batch's first row
+            self.rows = ids.new_zeros(ids.shape[0], dtype=bool)
+            self.rows[0] = True
+        else:
+            self.rows = ids[:, -1] == self.filler
+
+    def _post(self, module, inputs, output):
+        if not self.active or self.rows is None or not bool(self.rows.any()):
+            return None
+        out = output.clone()
+        last = out[:, -1, :]
+        last[self.rows] = torch_min(out.dtype)
+        last[self.rows, self.filler] = 0.0
+        return out
+
+    def wrap(self, fn):
+        def wrapped(*a, **k):
+            self.active = True
+            try:
+                return fn(*a, **k)
+            finally:
+                self.active, self.rows = False, None
+        return wrapped
+
+
+def torch_min(dtype):
+    import torch
+
+    return torch.finfo(dtype).min
+
+
+# --------------------------------------------------------------------------- the child processes
+
+
+def peak_rss_mb() -> float:
+    from bench import _measure as M
+
+    return (M.hwm_bytes() or 0) / 2**20
+
+
+def rss_mb() -> float:
+    from bench import _measure as M
+
+    return (M.rss_bytes() or 0) / 2**20
+
+
+def load_tok(path: str):
+    """The model directory's tokenizer as fastcov's trainer loads it (``AutoTokenizer`` would substitute
+    Qwen2Tokenizer for the demo's word-level tokenizer and drop most of each prompt's words)."""
+    from fastcov.trainer.config import ModelConfig
+    from fastcov.trainer.runtime.model import load_tokenizer
+
+    return load_tokenizer(ModelConfig(path=path))
+
+
+def run_fastcov(spec: dict) -> dict:
+    """fastcov's trainer (configs/demo.yaml with the bench's settings); per-step phases from its metrics.jsonl."""
+    from fastcov.trainer.config import load_config
+    from fastcov.trainer.rollout import hf as hf_rollout
+    from fastcov.trainer.train import train
+
+    p, case = spec["preset"], spec["case"]
+    run_dir = Path(spec["work"]) / f"run-{spec['preset_name']}-{case}-fastcov"
+    over = [f"model.path={spec['model']}", f"data.train_files=[{spec['data']}/train.parquet]",
+            f"data.val_files=[{spec['data']}/val.parquet]", f"trainer.run_dir={run_dir}",
+            f"trainer.max_steps={p['warmup'] + p['steps']}", f"trainer.prompts_per_step={p['prompts']}",
+            f"rollout.n={p['n']}", f"rollout.max_new_tokens={spec['max_new']}",
+            f"algo.mini_batches={p['mini_batches']}",
+            f"optim.lr={p['lr']}", "trainer.eval_every=0", f"trainer.threads={p['threads']}",
+            f"trainer.device={p['device']}", "trainer.save_every=0", "trainer.seed=0", "trainer.progress=false"]
+    if case == "c":
+        over += ["algo.mode=kl_cov", "algo.scope=microbatch", f"algo.kl_cov_ratio={KL_COV['ratio']}",
+                 f"algo.kl_cov_coef={KL_COV['coef']}"]
+    else:
+        over += ["algo.mode=vanilla"]
+    if p["device"] == "cuda":
+        over += ["model.dtype=bf16"]
+    cfg = load_config(ROOT / "configs" / "demo.yaml", over)
+    original = hf_rollout.HFRolloutEngine.generate
+    max_len: list[int] = []  # the longest answer of each rollout batch
+    setup_rss: list[float] = []  # RSS as each rollout starts: the first is the set-up's (model, optimizer, data)
+    peaks: list[float] = []
+
+    def generate(self, *a, **k):
+        setup_rss.append(rss_mb())
+        peaks.append(peak_rss_mb())  # the peak so far: through the previous rollout batch
+        call = original
+        if case == "b":
+            if not hasattr(self, "_bench_force"):
+                unk = load_tok(spec["model"]).unk_token_id
+                self._bench_force = ForceLong(self.model, unk)
+            call = self._bench_force.wrap(original)
+        out = call(self, *a, **k)
+        max_len.append(max((len(x) for x in out.token_ids), default=0))
+        return out
+
+    hf_rollout.HFRolloutEngine.generate = generate
+    base = rss_mb()
+    t0 = time.perf_counter()
+    train(cfg, overwrite=True)
+    wall = time.perf_counter() - t0
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if "time/step" in r]
+    peaks = peaks[1:] + [peak_rss_mb()]  # batch i's peak: the peak when batch i + 1 starts, the last at the end
+    steps = []
+    for i, r in enumerate(rows):
+        n_rows = p["prompts"] * p["n"]
+        gen = r["response_len"] * n_rows
+        steps.append({"rollout_s": r["time/rollout"], "logprob_s": r.get("time/old_logprob", 0.0),
+                      "update_s": r["time/update"], "total_s": r["time/step"] - r.get("time/save", 0.0),
+                      "generated_tokens": gen, "reward": r["reward_mean"], "response_len": r["response_len"],
+                      "max_response_len": max_len.pop(0) if max_len else None,
+                      "peak_rss_mb": peaks[i] if i < len(peaks) else None})
+    return {"steps": steps, "rss_base_mb": base, "peak_rss_mb": peak_rss_mb(), "wall_s": wall,
+            "rss_setup_mb": setup_rss[0] if setup_rss else None, "optimizer_steps_per_batch": p["mini_batches"],
+            "settings": {"algo.mode": "kl_cov" if case == "c" else "vanilla", "algo.loss_agg": "token-mean",
+                         "algo.mini_batches": p["mini_batches"], "rollout.seeding": cfg.rollout.seeding,
+                         "algo.scope": cfg.algo.scope}}
+
+
+def run_trl(spec: dict) -> dict:
+    """TRL's GRPOTrainer (``trl``), or fastcov's FastcovGRPOTrainer (``trl+fastcov``), with the same settings."""
+    import datasets
+    import pandas as pd
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from fastcov.trainer.config import load_config
+    from fastcov.trainer.rewards import math_reward
+
+    p, case, who = spec["preset"], spec["case"], spec["trainer"]
+    if p["threads"]:
+        torch.set_num_threads(p["threads"])
+    torch.manual_seed(0)
+    tok = load_tok(spec["model"])
+    dtype = torch.bfloat16 if p["device"] == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=dtype, attn_implementation="sdpa")
+    df = pd.read_parquet(Path(spec["data"]) / "train.parquet")
+    ds = datasets.Dataset.from_dict({"prompt": [list(m) for m in df["prompt"]],
+                                     "truth": [r["ground_truth"] for r in df["reward_model"]]})
+    rcfg = load_config(ROOT / "configs" / "demo.yaml", []).reward
+    scorer = math_reward(rcfg)
+
+    def reward(completions, truth, **kw):
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return [float(x) for x in scorer.batch(texts, list(truth))]
+
+    args, cls = trl_args(spec)
+    trainer = cls(model=model, reward_funcs=reward, args=args, train_dataset=ds, processing_class=tok)
+    batches, setup_rss = instrument_trl(trainer, tok, case, p["mini_batches"])
+    base = rss_mb()
+    t0 = time.perf_counter()
+    trainer.train()
+    wall = time.perf_counter() - t0
+    S = p["mini_batches"]
+    return {"steps": batches, "rss_base_mb": base, "peak_rss_mb": peak_rss_mb(), "wall_s": wall,
+            "rss_setup_mb": setup_rss[0] if setup_rss else None, "optimizer_steps_per_batch": S,
+            "settings": {"loss_type": "bnpo", "steps_per_generation": S, "per_device_train_batch_size":
+                         args.per_device_train_batch_size, "gradient_accumulation_steps": 1,
+                         "num_generations": p["n"], "scale_rewards": "group", "beta": 0.0,
+                         **({"fastcov_loss_mode": "kl_cov", "fastcov_scope": "microbatch"}
+                            if who == "trl+fastcov" else {})}}
+
+
+def trl_args(spec: dict):
+    """(config, trainer class): TRL's options set to match fastcov's (docs/benchmarks.md has the mapping)."""
+    p, case, who = spec["preset"], spec["case"], spec["trainer"]
+    common = dict(
+        output_dir=str(Path(spec["work"]) / f"run-{spec['preset_name']}-{case}-{who}"), use_cpu=p["device"] == "cpu",
+        bf16=p["device"] == "cuda", report_to="none", save_strategy="no", seed=0, disable_tqdm=True,
+        max_steps=(p["warmup"] + p["steps"]) * p["mini_batches"], learning_rate=p["lr"], lr_scheduler_type="constant",
+        warmup_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0,
+        optim="adamw_torch", per_device_train_batch_size=p["prompts"] * p["n"] // p["mini_batches"],
+        gradient_accumulation_steps=1, steps_per_generation=p["mini_batches"], num_generations=p["n"],
+        num_iterations=1, max_completion_length=spec["max_new"], temperature=1.0, top_p=1.0, top_k=0, beta=0.0,
+        loss_type="bnpo", epsilon=0.2, epsilon_high=0.2, scale_rewards="group", logging_steps=p["mini_batches"],
+        dataloader_num_workers=0)
+    if who == "trl+fastcov":
+        from fastcov.integrations.trl import FastcovGRPOConfig, FastcovGRPOTrainer
+
+        args = FastcovGRPOConfig(**common, fastcov_loss_mode="kl_cov", kl_cov_ratio=KL_COV["ratio"],
+                                 kl_cov_coef=KL_COV["coef"], fastcov_scope="microbatch")
+        cls = FastcovGRPOTrainer
+    else:
+        from trl import GRPOConfig, GRPOTrainer
+
+        args, cls = GRPOConfig(**common), GRPOTrainer
+    return args, cls
+
+
+def instrument_trl(trainer, tok, case: str, S: int) -> tuple[list[dict], list[float]]:
+    """Wraps the trainer's rollout, log-prob and reward methods and adds a callback, so that each rollout batch
+    (``S`` optimizer steps) appends its phases' seconds, reward and generated tokens to the returned list; the
+    second list gets the RSS as each rollout starts. Case b forces one long answer per rollout (ForceLong)."""
+    import torch
+    from transformers import TrainerCallback
+
+    batches: list[dict] = []
+    cur: dict = {}
+
+    def timed(name, fn, when=lambda: True):
+        def wrapped(*a, **k):
+            if not when():
+                return fn(*a, **k)
+            t0 = time.perf_counter()
+            out = fn(*a, **k)
+            cur[name] = cur.get(name, 0.0) + time.perf_counter() - t0
+            return out
+        return wrapped
+
+    gen = trainer._generate_single_turn
+    if case == "b":
+        gen = ForceLong(trainer.model, tok.unk_token_id).wrap(gen)
+    setup_rss: list[float] = []
+
+    def first_rss(fn):
+        def wrapped(*a, **k):
+            setup_rss.append(rss_mb())
+            return fn(*a, **k)
+        return wrapped
+
+    trainer._generate_single_turn = timed("rollout_s", first_rss(gen))
+    trainer._get_per_token_logps_and_entropies = timed(
+        "logprob_s", trainer._get_per_token_logps_and_entropies, lambda: not torch.is_grad_enabled())
+    calc = trainer._calculate_rewards
+
+    def rewards(inputs, prompts, completions, completion_ids_list):
+        out = calc(inputs, prompts, completions, completion_ids_list)
+        lens = [len(c) for c in completion_ids_list]
+        cur.update(reward=float(out.float().mean()), generated_tokens=sum(lens),
+                   response_len=sum(lens) / len(lens), max_response_len=max(lens))
+        return out
+
+    trainer._calculate_rewards = rewards
+    clock = {"t": 0.0}
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, *a, **k):
+            clock["t"] = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **k):
+            if state.global_step % S == 0:  # the rollout batch's last optimizer step
+                now = time.perf_counter()
+                row = dict(cur)
+                row["total_s"] = now - clock["t"]
+                row["update_s"] = row["total_s"] - row.get("rollout_s", 0.0) - row.get("logprob_s", 0.0)
+                row.setdefault("logprob_s", 0.0)
+                row["peak_rss_mb"] = peak_rss_mb()
+                batches.append(row)
+                cur.clear()
+                clock["t"] = now
+
+    trainer.add_callback(Clock())
+    return batches, setup_rss
+
+
+def child(spec: dict) -> int:
+    res = (run_fastcov if spec["trainer"] == "fastcov" else run_trl)(spec)
+    Path(spec["result"]).write_text(json.dumps(res))
+    return 0
+
+
+# --------------------------------------------------------------------------- the parent
+
+
+def summarize(trainer: str, case: str, res: dict, p: dict, spec: dict) -> dict:
+    steps = res["steps"]
+    timed = steps[p["warmup"]:] or steps
+    S = res["optimizer_steps_per_batch"]
+    med = {k: statistics.median(s.get(k, 0.0) for s in timed) for k in ("rollout_s", "logprob_s", "update_s",
+                                                                       "total_s")}
+    gen = sum(s["generated_tokens"] for s in timed)
+    total = sum(s["total_s"] for s in timed)
+    rewards = [s.get("reward", float("nan")) for s in steps]
+    half = max(1, len(rewards) // 2)
+    return {
+        "bench": "trainer", "trainer": trainer, "case": case, "case_name": CASE_NAMES[case],
+        "step_s": med["total_s"] / S, "batch_s": med["total_s"], "rollout_s": med["rollout_s"],
+        "logprob_s": med["logprob_s"], "update_s": med["update_s"],
+        "tokens_per_s": gen / max(total, 1e-9),
+        "rollout_tokens_per_s": gen / max(sum(s.get("rollout_s", 0.0) for s in timed), 1e-9),
+        "peak_rss_mb": res["peak_rss_mb"], "rss_base_mb": res["rss_base_mb"], "rss_setup_mb": res["rss_setup_mb"],
+        "train_rss_mb": res["peak_rss_mb"] - res["rss_setup_mb"] if res["rss_setup_mb"] else None,
+        "reward_first": rewards[0] if rewards else None, "reward_last": rewards[-1] if rewards else None,
+        "reward_first_half": statistics.fmean(rewards[:half]) if rewards else None,
+        "reward_second_half": statistics.fmean(rewards[half:]) if len(rewards) > 1 else None,
+        "rollout_batches": len(steps), "warmup_batches": p["warmup"], "optimizer_steps_per_batch": S,
+        "max_new_tokens": spec["max_new"], "mean_response_len": statistics.fmean(s["response_len"] for s in steps),
+        "max_response_len": max((s.get("max_response_len") or 0) for s in steps),
+        "wall_s": res["wall_s"], "settings": res["settings"], "per_step": steps,
+    }
+
+
+def run_one(trainer: str, case: str, p: dict, preset: str, work: Path, data: Path, model: Path,
+            timeout: float) -> dict:
+    result = work / f"result-{preset}-{case}-{trainer.replace('+', '_')}.json"
+    result.unlink(missing_ok=True)
+    spec = {"trainer": trainer, "case": case, "preset": p, "preset_name": preset, "work": str(work),
+            "data": str(data), "model": str(model), "max_new": p["long_new"] if case == "b" else p["max_new"],
+            "result": str(result)}
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "TOKENIZERS_PARALLELISM": "false"}
+    log(f"[bench.trainer] case {case} ({CASE_NAMES[case]}): {trainer} ...")
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "bench.trainer", "--child", json.dumps(spec)], cwd=ROOT, env=env,
+                          timeout=timeout, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if proc.returncode != 0 or not result.is_file():
+        raise RuntimeError(f"{trainer} case {case} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}")
+    row = summarize(trainer, case, json.loads(result.read_text()), p, spec)
+    log(f"[bench.trainer] case {case}: {trainer} done in {time.perf_counter() - t0:.0f}s: {row['step_s']:.3f} s per "
+        f"optimizer step, reward {row['reward_first']:.3f} -> {row['reward_last']:.3f}")
+    return row
+
+
+def load_note() -> str:
+    try:
+        la = os.getloadavg()
+    except OSError:
+        return "unknown"
+    return f"load average {la[0]:.2f} {la[1]:.2f} {la[2]:.2f} on {os.cpu_count()} cores"
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+    out = []
+    for case in CASES:
+        got = {r["trainer"]: r for r in rows if r["case"] == case}
+        base = got.get("fastcov")
+        other = got.get(CASES[case][1])
+        if not base or not other:
+            continue
+        out.append({"case": case, "case_name": CASE_NAMES[case], "vs": other["trainer"],
+                    "speedup": other["step_s"] / base["step_s"],
+                    "rollout": other["rollout_s"] / max(base["rollout_s"], 1e-9),
+                    "logprob": other["logprob_s"] / max(base["logprob_s"], 1e-9) if base["logprob_s"] else None,
+                    "update": other["update_s"] / max(base["update_s"], 1e-9),
+                    "tokens_per_s": base["tokens_per_s"] / max(other["tokens_per_s"], 1e-9),
+                    "peak_rss": base["peak_rss_mb"] / max(other["peak_rss_mb"], 1e-9)})
+    return out
+
+
+def render(rows: list[dict]) -> str:
+    """Markdown: one row per trainer and case (medians per rollout batch), then the ratios."""
+    out = ["| case | trainer | s / optimizer step | rollout s | old log-prob s | update s | tokens/s | peak RSS MB "
+           "| RSS growth in training MB | reward first → last (mean 1st half → 2nd half) |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        out.append(f"| {r['case']} {r['case_name']} | {r['trainer']} | {r['step_s']:.3f} | {r['rollout_s']:.2f} | "
+                   f"{r['logprob_s']:.2f} | {r['update_s']:.2f} | {r['tokens_per_s']:.0f} | {r['peak_rss_mb']:.0f} | "
+                   f"{r['train_rss_mb'] or 0:.0f} | {r['reward_first']:.3f} → {r['reward_last']:.3f} "
+                   f"({r['reward_first_half']:.3f} → {r['reward_second_half']:.3f}) |")
+    out += ["", "| case | against | speed-up (its s/step ÷ fastcov's) | rollout | old log-prob | update | "
+            "fastcov peak RSS ÷ its |", "|---|---|---:|---:|---:|---:|---:|"]
+    for q in ratios(rows):
+        lp = "—" if q["logprob"] is None else f"{q['logprob']:.2f}×"
+        out.append(f"| {q['case']} {q['case_name']} | {q['vs']} | {q['speedup']:.2f}× | {q['rollout']:.2f}× | {lp} | "
+                   f"{q['update']:.2f}× | {q['peak_rss']:.2f} |")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.trainer", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+    ap.add_argument("--cases", default="a,b,c", help="comma-separated subset of a, b, c")
+    ap.add_argument("--steps", type=int, default=None, help="measured rollout batches (after the warm-up ones)")
+    ap.add_argument("--warmup", type=int, default=None, help="rollout batches left out of the medians")
+    ap.add_argument("--lr", type=float, default=None, help="learning rate of both trainers (the preset's by default)")
+    ap.add_argument("--work", default="runs/bench-trainer", help="data, warm start and run directories")
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--jsonl", default=None, help="where the lines go (default <out>/<device>/trainer-<date>.jsonl)")
+    ap.add_argument("--case-timeout", type=float, default=900.0)
+    ap.add_argument("--render", default=None, metavar="JSONL", help="print the tables of a results file")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child is not None:
+        return child(json.loads(args.child))
+    if args.render is not None:
+        print(render([json.loads(line) for line in Path(args.render).read_text().splitlines() if line.strip()]))
+        return 0
+    import torch
+
+    from bench import _measure as M
+
+    p = dict(PRESETS[args.preset])
+    if args.steps is not None:
+        p["steps"] = args.steps
+    if args.warmup is not None:
+        p["warmup"] = args.warmup
+    if args.lr is not None:
+        p["lr"] = args.lr
+    if p["device"] == "cuda" and not torch.cuda.is_available():
+        log("[bench.trainer] preset needs CUDA; none here")
+        return 2
+    cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    bad = [c for c in cases if c not in CASES]
+    if bad:
+        ap.error(f"unknown case(s) {bad}; choose from {sorted(CASES)}")
+    t_all = time.perf_counter()
+    work = Path(args.work).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    data, model = prepare(work, p, args.preset)
+    env = M.env_info(torch.device(p["device"]))
+    out = Path(args.jsonl) if args.jsonl else (Path(args.out) / env["device_slug"] /
+                                               f"trainer-{_dt.date.today().isoformat()}.jsonl")
+    import transformers
+    import trl
+
+    meta = {"preset": args.preset, "machine": env["device_name"], "device": env["device_slug"],
+            "torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__,
+            "model": {k: p[k] for k in ("hidden", "layers", "heads", "kv_heads", "intermediate")},
+            "prompts": p["prompts"], "rollouts_per_prompt": p["n"], "lr": p["lr"], "threads": p["threads"],
+            "command": "python -m bench.trainer " + " ".join(argv if argv is not None else sys.argv[1:])}
+    rows = []
+    for case in cases:
+        for trainer in CASES[case]:
+            meta["load"] = load_note() + " before this run (shared machine: other jobs ran alongside)"
+            row = {**meta, **run_one(trainer, case, p, args.preset, work, data, model, args.case_timeout)}
+            rows.append(row)
+            M.append_jsonl(out, row)
+            print(json.dumps({k: v for k, v in row.items() if k != "per_step"}), flush=True)
+    for r in ratios(rows):
+        log(f"[bench.trainer] case {r['case']} ({r['case_name']}): {r['vs']} step time ÷ fastcov's = "
+            f"{r['speedup']:.2f}x (rollout {r['rollout']:.2f}x, update {r['update']:.2f}x), fastcov peak RSS ÷ "
+            f"{r['vs']}'s = {r['peak_rss']:.2f}")
+    log(f"[bench.trainer] {len(rows)} runs in {time.perf_counter() - t_all:.0f}s; lines in {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
