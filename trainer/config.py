@@ -17,10 +17,13 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from fastcov.errors import ConfigError, UserError  # noqa: F401 - ConfigError re-exported
 from fastcov.losses import LossConfig
+
+if TYPE_CHECKING:
+    from fastcov.schedules import PositiveWeightSchedule
 
 # The attention and MLP projections of Qwen2/Llama-style decoders: model.lora_targets' default.
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -314,7 +317,7 @@ class PosWeightConfig:
         return {"values": ("values", self.values, [1.0]),
                 "steps_per_epoch": ("steps_per_epoch", self.steps_per_epoch or None, 1)}
 
-    def schedule(self):
+    def schedule(self) -> PositiveWeightSchedule:
         """The lambda schedule this section describes (fastcov.schedules.PositiveWeightSchedule)."""
         from fastcov.schedules import PositiveWeightSchedule
 
@@ -679,7 +682,7 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
 
 # ----------------------------------------------------------------------------------------------- values
 
-def positive_weight_schedule(a: AlgoConfig):
+def positive_weight_schedule(a: AlgoConfig) -> PositiveWeightSchedule:
     """The lambda schedule an ``algo`` section with ``pos_weight.enabled: true`` describes."""
     return a.pos_weight.schedule()
 

@@ -21,13 +21,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from fastcov.entropy_control import EntropyController
 from fastcov.errors import one_line
+from fastcov.schedules import PositiveWeightSchedule
 from fastcov.trainer import entropy_control
 from fastcov.trainer.config import Config, ConfigError, positive_weight_schedule
 from fastcov.trainer.data.loading import PromptSampler, load_train_val, prepare_data
 from fastcov.trainer.evaluation import evaluate
-from fastcov.trainer.rewards import REWARD_TASKS
+from fastcov.trainer.rewards import REWARD_TASKS, RewardTask
 from fastcov.trainer.rollout import make_rollout_engine
+from fastcov.trainer.rollout.base import RolloutEngine
 from fastcov.trainer.runtime.checkpoint import CheckpointError, fsync_path, load_checkpoint
 from fastcov.trainer.runtime.distributed import init_distributed, pick_device
 from fastcov.trainer.runtime.errors import user_error
@@ -93,15 +96,15 @@ class Run:
     train_set: list
     val_set: list
     engine: DeepSpeedPolicy
-    rollout: Any
-    reward_fn: Any
+    rollout: RolloutEngine
+    reward_fn: RewardTask
     token_adv: Any  # REINFORCE++'s KL / PRIME's token-level advantages, or None
     sampler: PromptSampler
     gens: dict[str, torch.Generator]
-    lam_sched: Any  # Jin et al.'s λ schedule, or None
+    lam_sched: PositiveWeightSchedule | None  # Jin et al.'s λ schedule
     counters: dict[str, int]
     step: int = 0
-    entropy_ctl: Any = None  # algo.entropy_control's EntropyController, or None
+    entropy_ctl: EntropyController | None = None  # algo.entropy_control's
     logger: Any = None
     pbar: Any = None
     warned: dict[str, bool] = field(default_factory=lambda: {"empty_band": False})
@@ -263,7 +266,7 @@ def build_policy(cfg: Config, device: torch.device, rank: int, world: int, token
 
 
 def build_rollout(cfg: Config, engine: DeepSpeedPolicy, device: torch.device, rank: int, world: int, tokenizer,
-                  closing: contextlib.ExitStack) -> tuple[Any, Any]:
+                  closing: contextlib.ExitStack) -> tuple[RolloutEngine, RewardTask]:
     """(rollout engine, reward function); the reward function's workers close with ``closing``."""
     # the HF engine samples from the policy's own module (ZeRO 0-2) or one empty copy per node (ZeRO-3)
     rollout = make_rollout_engine(cfg, engine.policy.lm, tokenizer, device=device, rank=rank, world=world,
