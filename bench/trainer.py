@@ -1,6 +1,6 @@
 """Trainer benchmark: fastcov's trainer against TRL's ``GRPOTrainer`` on the same model, prompts and settings.
 
-    python -m bench.trainer                           # CPU: cases a, b, c (~15 minutes on 2 shared cores)
+    python -m bench.trainer                           # CPU: cases a, b, c (~8 minutes on 2 shared cores)
     python -m bench.trainer --cases a --steps 4       # one case, shorter
     python -m bench.trainer --preset gpu-1.5b         # CUDA: Qwen2.5-1.5B's decoder shape (bench/gpu_run.sh)
 
@@ -15,8 +15,10 @@ Cases:
   c  KL-Cov: fastcov's trainer vs ``FastcovGRPOTrainer`` (fastcov's loss inside TRL), answers as in a
 
 Per rollout batch: rollout s, old-log-prob s, update s, total s, generated tokens/s, peak RSS, mean reward. The
-first ``--warmup`` batches are left out of the medians. One JSON line per trainer and case is appended to
-``<out>/<device>/trainer-<date>.jsonl`` and printed; the ratios (TRL's ÷ fastcov's) are printed at the end.
+first ``--warmup`` batches are left out of the medians. Learning is measured by the bench itself: the warm start and
+each trained model are evaluated with the same code on the same held-out prompts (``EVAL``: ``eval_before``,
+``eval_after``), since the rollout batches' reward changes with their prompts. One JSON line per trainer and case
+is appended to ``<out>/<device>/trainer-<date>.jsonl`` and printed; the ratios (TRL's ÷ fastcov's) are printed at the end.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Presets: the model (a Qwen2 config on the demo's tokenizer), its warm start, and the RL run's size.
 PRESETS: dict[str, dict] = {
-    # the CPU run: 15.5 minutes from an empty --work on 2 cores at load ~6-13 (warm start 3.6 of them; 5.9 CPU minutes)
+    # the CPU run: 7.9 minutes from an empty --work on 2 cores at load ~3-4 (warm start 1.4 of them; 7.0 CPU minutes)
     "cpu": dict(device="cpu", hidden=256, layers=4, heads=4, kv_heads=2, intermediate=768, sft_steps=150,
                 sft_lr=3e-3, prompts=16, n=8, max_new=32, long_new=128, mini_batches=8, lr=1e-4, steps=5,
                 warmup=1, threads=1),
@@ -500,16 +502,24 @@ def ratios(rows: list[dict]) -> list[dict]:
     return out
 
 
+def held_out(r: dict) -> str:
+    """``eval_before`` → ``eval_after`` (mean reward ± binomial standard error), "—" in lines without them."""
+    b, a = r.get("eval_before"), r.get("eval_after")
+    if not b or not a:
+        return "—"
+    return f"{b['mean']:.3f} → {a['mean']:.3f} ({a['mean'] - b['mean']:+.3f}, SE {a['se']:.3f})"
+
+
 def render(rows: list[dict]) -> str:
     """Markdown: one row per trainer and case (medians per rollout batch), then the ratios."""
     out = ["| case | trainer | s / optimizer step | rollout s | old log-prob s | update s | tokens/s | peak RSS MB "
-           "| RSS growth in training MB | reward first → last (mean 1st half → 2nd half) |",
-           "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+           "| RSS growth in training MB | reward first → last (mean 1st half → 2nd half) | held-out before → after |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in rows:
         out.append(f"| {r['case']} {r['case_name']} | {r['trainer']} | {r['step_s']:.3f} | {r['rollout_s']:.2f} | "
                    f"{r['logprob_s']:.2f} | {r['update_s']:.2f} | {r['tokens_per_s']:.0f} | {r['peak_rss_mb']:.0f} | "
                    f"{r['train_rss_mb'] or 0:.0f} | {r['reward_first']:.3f} → {r['reward_last']:.3f} "
-                   f"({r['reward_first_half']:.3f} → {r['reward_second_half']:.3f}) |")
+                   f"({r['reward_first_half']:.3f} → {r['reward_second_half']:.3f}) | {held_out(r)} |")
     out += ["", "| case | against | speed-up (its s/step ÷ fastcov's) | rollout | old log-prob | update | "
             "fastcov peak RSS ÷ its |", "|---|---|---:|---:|---:|---:|---:|"]
     for q in ratios(rows):
