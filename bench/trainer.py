@@ -18,7 +18,8 @@ Per rollout batch: rollout s, old-log-prob s, update s, total s, generated token
 first ``--warmup`` batches are left out of the medians. Learning is measured by the bench itself: the warm start and
 each trained model are evaluated with the same code on the same held-out prompts (``EVAL``: ``eval_before``,
 ``eval_after``), since the rollout batches' reward changes with their prompts. One JSON line per trainer and case
-is appended to ``<out>/<device>/trainer-<date>.jsonl`` and printed; the ratios (TRL's ÷ fastcov's) are printed at the end.
+is appended to ``<out>/<device>/trainer-<date>.jsonl`` and printed; the ratios (TRL's ÷ fastcov's) are printed
+at the end.
 """
 
 from __future__ import annotations
