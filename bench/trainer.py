@@ -1,6 +1,6 @@
 """Trainer benchmark: fastcov's trainer against TRL's ``GRPOTrainer`` on the same model, prompts and settings.
 
-    python -m bench.trainer                           # CPU: cases a, b, c (~15 minutes on 2 shared cores)
+    python -m bench.trainer                           # CPU: cases a, b, c (~8 minutes on 2 shared cores)
     python -m bench.trainer --cases a --steps 4       # one case, shorter
     python -m bench.trainer --preset gpu-1.5b         # CUDA: Qwen2.5-1.5B's decoder shape (bench/gpu_run.sh)
 
@@ -15,8 +15,11 @@ Cases:
   c  KL-Cov: fastcov's trainer vs ``FastcovGRPOTrainer`` (fastcov's loss inside TRL), answers as in a
 
 Per rollout batch: rollout s, old-log-prob s, update s, total s, generated tokens/s, peak RSS, mean reward. The
-first ``--warmup`` batches are left out of the medians. One JSON line per trainer and case is appended to
-``<out>/<device>/trainer-<date>.jsonl`` and printed; the ratios (TRL's ÷ fastcov's) are printed at the end.
+first ``--warmup`` batches are left out of the medians. Learning is measured by the bench itself: the warm start and
+each trained model are evaluated with the same code on the same held-out prompts (``EVAL``: ``eval_before``,
+``eval_after``), since the rollout batches' reward changes with their prompts. One JSON line per trainer and case
+is appended to ``<out>/<device>/trainer-<date>.jsonl`` and printed; the ratios (TRL's ÷ fastcov's) are printed
+at the end.
 """
 
 from __future__ import annotations
@@ -35,19 +38,23 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Presets: the model (a Qwen2 config on the demo's tokenizer), its warm start, and the RL run's size.
 PRESETS: dict[str, dict] = {
-    # the CPU run: 15.5 minutes from an empty --work on 2 cores at load ~6-13 (warm start 3.6 of them; 5.9 CPU minutes)
+    # the CPU run: 7.9 minutes from an empty --work on 2 cores at load ~3-4 (warm start 1.4 of them; 7.0 CPU minutes)
     "cpu": dict(device="cpu", hidden=256, layers=4, heads=4, kv_heads=2, intermediate=768, sft_steps=150,
                 sft_lr=3e-3, prompts=16, n=8, max_new=32, long_new=128, mini_batches=8, lr=1e-4, steps=5,
                 warmup=1, threads=1),
     # seconds, for the test: a tiny model, two rollout batches of 2 prompts x 4
     "tiny": dict(device="cpu", hidden=32, layers=1, heads=2, kv_heads=1, intermediate=64, sft_steps=10,
                  sft_lr=3e-3, prompts=2, n=4, max_new=8, long_new=24, mini_batches=2, lr=1e-4, steps=1,
-                 warmup=1, threads=1),
+                 warmup=1, threads=1, eval_prompts=8),
     # Qwen2.5-1.5B's decoder (28 layers, hidden 1536, 12 heads / 2 KV heads, MLP 8960) on the demo's vocabulary
     "gpu-1.5b": dict(device="cuda", hidden=1536, layers=28, heads=12, kv_heads=2, intermediate=8960, sft_steps=150,
                      sft_lr=1e-4, prompts=16, n=8, max_new=32, long_new=256, mini_batches=8, lr=1e-6, steps=8,
                      warmup=1, threads=0),
 }
+# The held-out evaluation run by the bench itself, the same code for the warm start and for every trained model:
+# fastcov's ``evaluate_model`` (its HF engine) on the first ``prompts`` problems of the demo's val.parquet, ``k``
+# answers each at the rollout temperature, a fixed seed; ``eval_mean`` is the mean reward of the prompts x k answers.
+EVAL = dict(prompts=128, k=8, temperature=1.0, seed=0)
 CASES = {"a": ("fastcov", "trl"), "b": ("fastcov", "trl"), "c": ("fastcov", "trl+fastcov")}
 CASE_NAMES = {"a": "similar-length", "b": "one-long", "c": "kl-cov"}
 KL_COV = dict(ratio=0.5, coef=1.0)  # configs/demo.yaml's KL-Cov
@@ -84,6 +91,43 @@ def prepare(work: Path, p: dict, preset: str) -> tuple[Path, Path]:
     (sft / "stamp.json").write_text(stamp)
     log(f"[bench.trainer] warm start done: loss {res['sft_loss']:.3f} in {res['sft_seconds']:.0f}s")
     return data, sft / "model"
+
+
+def evaluate(model: Path, data: Path, p: dict) -> dict:
+    """The held-out evaluation (``EVAL``) of the Hugging Face model directory ``model``: mean reward, pass@k and
+    its binomial standard error over the prompts x k answers."""
+    import math
+
+    import torch
+
+    from fastcov.trainer.evaluation import evaluate_model
+
+    if p["threads"]:
+        torch.set_num_threads(p["threads"])
+    t0 = time.perf_counter()
+    k = EVAL["k"]
+    res = evaluate_model(str(model), [str(data / "val.parquet")], k=k, temperature=EVAL["temperature"],
+                         max_new_tokens=p["max_new"], max_prompts=p.get("eval_prompts", EVAL["prompts"]),
+                         seed=EVAL["seed"], sample_all=True,
+                         device="cpu" if not torch.cuda.is_available() else "auto")
+    m = res[f"val_mean@{k}"]
+    return {"mean": m, f"pass@{k}": res[f"val_pass@{k}"], "se": math.sqrt(m * (1 - m) / (res["prompts"] * k)),
+            "prompts": res["prompts"], "k": k, "seconds": time.perf_counter() - t0}
+
+
+def eval_start(sft_model: Path, data: Path, p: dict) -> dict:
+    """``evaluate`` of the warm start, cached next to it (every trainer and case starts from it)."""
+    path = sft_model.parent / "eval.json"
+    key = json.dumps({**EVAL, "max_new": p["max_new"], "prompts": p.get("eval_prompts", EVAL["prompts"])},
+                     sort_keys=True)
+    if path.is_file():
+        got = json.loads(path.read_text())
+        if got.get("key") == key:
+            return got["eval"]
+    res = evaluate(sft_model, data, p)
+    path.write_text(json.dumps({"key": key, "eval": res}))
+    log(f"[bench.trainer] held-out eval of the warm start: mean reward {res['mean']:.3f} ± {res['se']:.3f}")
+    return res
 
 
 # --------------------------------------------------------------------------- forced answer lengths (case b)
@@ -221,7 +265,9 @@ def run_fastcov(spec: dict) -> dict:
                       "generated_tokens": gen, "reward": r["reward_mean"], "response_len": r["response_len"],
                       "max_response_len": max_len.pop(0) if max_len else None,
                       "peak_rss_mb": peaks[i] if i < len(peaks) else None})
-    return {"steps": steps, "rss_base_mb": base, "peak_rss_mb": peak_rss_mb(), "wall_s": wall,
+    peak = peak_rss_mb()  # before the evaluation
+    return {"steps": steps, "rss_base_mb": base, "peak_rss_mb": peak, "wall_s": wall,
+            "eval_after": evaluate(run_dir / "final", Path(spec["data"]), p),
             "rss_setup_mb": setup_rss[0] if setup_rss else None, "optimizer_steps_per_batch": p["mini_batches"],
             "settings": {"algo.mode": "kl_cov" if case == "c" else "vanilla", "algo.loss_agg": "token-mean",
                          "algo.mini_batches": p["mini_batches"], "rollout.seeding": cfg.rollout.seeding,
@@ -263,7 +309,12 @@ def run_trl(spec: dict) -> dict:
     trainer.train()
     wall = time.perf_counter() - t0
     S = p["mini_batches"]
-    return {"steps": batches, "rss_base_mb": base, "peak_rss_mb": peak_rss_mb(), "wall_s": wall,
+    peak = peak_rss_mb()  # before the evaluation
+    final = Path(args.output_dir) / "final"
+    trainer.save_model(str(final))
+    tok.save_pretrained(str(final))
+    return {"steps": batches, "rss_base_mb": base, "peak_rss_mb": peak, "wall_s": wall,
+            "eval_after": evaluate(final, Path(spec["data"]), p),
             "rss_setup_mb": setup_rss[0] if setup_rss else None, "optimizer_steps_per_batch": S,
             "settings": {"loss_type": "bnpo", "steps_per_generation": S, "per_device_train_batch_size":
                          args.per_device_train_batch_size, "gradient_accumulation_steps": 1,
@@ -394,6 +445,9 @@ def summarize(trainer: str, case: str, res: dict, p: dict, spec: dict) -> dict:
         "reward_first": rewards[0] if rewards else None, "reward_last": rewards[-1] if rewards else None,
         "reward_first_half": statistics.fmean(rewards[:half]) if rewards else None,
         "reward_second_half": statistics.fmean(rewards[half:]) if len(rewards) > 1 else None,
+        "eval_before": spec.get("eval_before"), "eval_after": res.get("eval_after"),
+        "eval_settings": {**EVAL, "prompts": p.get("eval_prompts", EVAL["prompts"]), "max_new_tokens": p["max_new"],
+                          "data": "val.parquet (its first prompts)"},
         "rollout_batches": len(steps), "warmup_batches": p["warmup"], "optimizer_steps_per_batch": S,
         "max_new_tokens": spec["max_new"], "mean_response_len": statistics.fmean(s["response_len"] for s in steps),
         "max_response_len": max((s.get("max_response_len") or 0) for s in steps),
@@ -402,12 +456,12 @@ def summarize(trainer: str, case: str, res: dict, p: dict, spec: dict) -> dict:
 
 
 def run_one(trainer: str, case: str, p: dict, preset: str, work: Path, data: Path, model: Path,
-            timeout: float) -> dict:
+            timeout: float, before: dict | None = None) -> dict:
     result = work / f"result-{preset}-{case}-{trainer.replace('+', '_')}.json"
     result.unlink(missing_ok=True)
     spec = {"trainer": trainer, "case": case, "preset": p, "preset_name": preset, "work": str(work),
             "data": str(data), "model": str(model), "max_new": p["long_new"] if case == "b" else p["max_new"],
-            "result": str(result)}
+            "result": str(result), "eval_before": before}
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "TOKENIZERS_PARALLELISM": "false"}
     log(f"[bench.trainer] case {case} ({CASE_NAMES[case]}): {trainer} ...")
@@ -418,7 +472,8 @@ def run_one(trainer: str, case: str, p: dict, preset: str, work: Path, data: Pat
         raise RuntimeError(f"{trainer} case {case} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}")
     row = summarize(trainer, case, json.loads(result.read_text()), p, spec)
     log(f"[bench.trainer] case {case}: {trainer} done in {time.perf_counter() - t0:.0f}s: {row['step_s']:.3f} s per "
-        f"optimizer step, reward {row['reward_first']:.3f} -> {row['reward_last']:.3f}")
+        f"optimizer step, reward {row['reward_first']:.3f} -> {row['reward_last']:.3f}, held-out "
+        f"{(before or {}).get('mean', float('nan')):.3f} -> {row['eval_after']['mean']:.3f}")
     return row
 
 
@@ -448,16 +503,24 @@ def ratios(rows: list[dict]) -> list[dict]:
     return out
 
 
+def held_out(r: dict) -> str:
+    """``eval_before`` → ``eval_after`` (mean reward ± binomial standard error), "—" in lines without them."""
+    b, a = r.get("eval_before"), r.get("eval_after")
+    if not b or not a:
+        return "—"
+    return f"{b['mean']:.3f} → {a['mean']:.3f} ({a['mean'] - b['mean']:+.3f}, SE {a['se']:.3f})"
+
+
 def render(rows: list[dict]) -> str:
     """Markdown: one row per trainer and case (medians per rollout batch), then the ratios."""
     out = ["| case | trainer | s / optimizer step | rollout s | old log-prob s | update s | tokens/s | peak RSS MB "
-           "| RSS growth in training MB | reward first → last (mean 1st half → 2nd half) |",
-           "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+           "| RSS growth in training MB | reward first → last (mean 1st half → 2nd half) | held-out before → after |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in rows:
         out.append(f"| {r['case']} {r['case_name']} | {r['trainer']} | {r['step_s']:.3f} | {r['rollout_s']:.2f} | "
                    f"{r['logprob_s']:.2f} | {r['update_s']:.2f} | {r['tokens_per_s']:.0f} | {r['peak_rss_mb']:.0f} | "
                    f"{r['train_rss_mb'] or 0:.0f} | {r['reward_first']:.3f} → {r['reward_last']:.3f} "
-                   f"({r['reward_first_half']:.3f} → {r['reward_second_half']:.3f}) |")
+                   f"({r['reward_first_half']:.3f} → {r['reward_second_half']:.3f}) | {held_out(r)} |")
     out += ["", "| case | against | speed-up (its s/step ÷ fastcov's) | rollout | old log-prob | update | "
             "fastcov peak RSS ÷ its |", "|---|---|---:|---:|---:|---:|---:|"]
     for q in ratios(rows):
@@ -508,6 +571,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
     data, model = prepare(work, p, args.preset)
+    before = eval_start(model, data, p)
     env = M.env_info(torch.device(p["device"]))
     out = Path(args.jsonl) if args.jsonl else (Path(args.out) / env["device_slug"] /
                                                f"trainer-{_dt.date.today().isoformat()}.jsonl")
@@ -523,7 +587,8 @@ def main(argv: list[str] | None = None) -> int:
     for case in cases:
         for trainer in CASES[case]:
             meta["load"] = load_note() + " before this run (shared machine: other jobs ran alongside)"
-            row = {**meta, **run_one(trainer, case, p, args.preset, work, data, model, args.case_timeout)}
+            row = {**meta, **run_one(trainer, case, p, args.preset, work, data, model, args.case_timeout,
+                                            before)}
             rows.append(row)
             M.append_jsonl(out, row)
             print(json.dumps({k: v for k, v in row.items() if k != "per_step"}), flush=True)

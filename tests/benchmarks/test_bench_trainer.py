@@ -81,6 +81,10 @@ def test_tiny_run_writes_one_line_per_trainer(tmp_path, capsys):
         assert r["machine"] and "load average" in r["load"] and len(r["per_step"]) == 2
         assert all(0 < s["peak_rss_mb"] <= r["peak_rss_mb"] for s in r["per_step"])
         assert 0 < r["mean_response_len"] <= r["max_new_tokens"] == 8
+        # the held-out evaluation: the warm start's (the same in both lines) and the trained model's
+        assert r["eval_before"] == rows[0]["eval_before"] and r["eval_settings"]["k"] == B.EVAL["k"]
+        for ev in (r["eval_before"], r["eval_after"]):
+            assert 0.0 <= ev["mean"] <= 1.0 and ev["se"] >= 0 and ev["prompts"] > 0
 
 
 def test_gpu_suite_part_is_registered_outside_the_default_order():
