@@ -129,9 +129,10 @@ study-selection: $(STAMP)
 		export DS_ACCELERATOR=cpu; fi; \
 	$(PY) -m fastcov.trainer.study configs/studies/selection.yaml --jobs $(STUDY_JOBS) $(STUDY_ARGS)
 
-# Entropy controllers head to head (issue 41): the entropy bonus under Skywork-OR1's, TRL's and the proportional rule,
-# KL-Cov's beta and Clip-Cov's ratio under a target, Jin et al.'s lambda, Cheng et al.'s advantage shaping, against
-# GRPO and fixed KL-Cov; target 0.25 nats, 3 seeds: runs/study-controllers/report.md.
+# Entropy controls head to head (issue 41): GRPO, a fixed and an adaptive entropy bonus (TRL's rule and the
+# proportional one), clip-higher, Clip-Cov, KL-Cov, KL-Cov with its beta or its ratio driven to the target, the 80/20
+# rule, Cheng et al.'s advantage shaping; target 0.25 nats, 3 seeds: runs/study-controllers/report.md
+# (docs/studies/controllers/). 72 CPU-minutes on 2 cores.
 study-controllers: $(STAMP)
 	@if ! $(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
 		export DS_ACCELERATOR=cpu; fi; \
