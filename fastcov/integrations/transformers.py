@@ -51,7 +51,8 @@ class UnsupportedModelError(ValueError):
 
 
 # Causal-LM classes of transformers whose logits are exactly lm_head(decoder(...).last_hidden_state), as far as
-# fastcov's architecture sweep (tests/integrations/test_integration_hf_architectures.py) has verified, transformers 5.23.
+# fastcov's architecture sweep (tests/integrations/test_integration_hf_architectures.py) has verified, transformers
+# 5.23.
 EXACT_ARCHITECTURES = frozenset({
     "AXK1ForCausalLM", "AXK2ForCausalLM", "AfmoeForCausalLM", "ApertusForCausalLM", "ArceeForCausalLM",
     "AriaTextForCausalLM", "BailingHybridForCausalLM", "BambaForCausalLM", "BartForCausalLM",
