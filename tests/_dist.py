@@ -1,13 +1,15 @@
 """Helpers for the tests that spawn local gloo processes: ``spawn_ranks`` starts them, ``set_rank_environment``
 gives each what a launcher would, ``without_rank_environment`` is the environment of a fresh one-process job."""
 
+import json
 import os
+from pathlib import Path
 
 from bench._common import RANK_VARIABLES, rank_environment
 from fastcov.trainer.runtime.distributed import free_port, shutdown_distributed
 
-__all__ = ["free_port", "rank_environment", "set_rank_environment", "shutdown_process_group", "spawn_ranks",
-           "without_rank_environment"]
+__all__ = ["free_port", "rank_environment", "read_rank_reports", "report_rank", "set_rank_environment",
+           "shutdown_process_group", "spawn_ranks", "without_rank_environment"]
 
 
 def set_rank_environment(rank: int, world: int, port: int, **extra: str) -> None:
@@ -46,3 +48,35 @@ def spawn_ranks(worker, args: tuple, nprocs: int) -> None:
     import torch.multiprocessing as mp
 
     mp.spawn(_run_rank, args=(worker, tuple(args)), nprocs=nprocs, join=True)
+
+
+def report_rank(rank: int, world: int, port: int, out_dir: str, body, *args) -> None:
+    """A spawned rank (``spawn_ranks(report_rank, (world, port, out_dir, body, *args), world)``) with a launcher's
+    environment and one torch thread that writes what ``body(*args)`` returns (a JSON-able dict), or the traceback it
+    raised, to ``out_dir/rank{rank}.json`` for ``read_rank_reports``, then tears the process groups down and leaves."""
+    set_rank_environment(rank, world, port, LOCAL_WORLD_SIZE=str(world))
+    import traceback
+
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        result = body(*args)
+    except BaseException as exc:  # noqa: BLE001 - reported to the test, which fails naming it
+        result = {"error": "".join(traceback.format_exception(exc))}
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    try:
+        shutdown_process_group()
+    finally:
+        os._exit(0)  # gloo/DeepSpeed threads can abort a normal interpreter exit
+
+
+def read_rank_reports(out_dir, world: int) -> list[dict]:
+    """What each of ``world`` ``report_rank`` ranks wrote, in rank order; fails naming the rank and its traceback
+    where one raised."""
+    reports = []
+    for rank in range(world):
+        res = json.loads(Path(out_dir, f"rank{rank}.json").read_text())
+        assert "error" not in res, f"rank {rank}:\n{res['error']}"
+        reports.append(res)
+    return reports

@@ -10,13 +10,10 @@ and ``use_vllm`` set on the trainer after construction. ``steps_per_generation=2
 makes the second step of each rollout off-policy (its ratios are not 1). One config also runs on 2 processes.
 """
 
-import json
 import math
-import os
-from pathlib import Path
 
 import pytest
-from _dist import free_port, set_rank_environment, shutdown_process_group, spawn_ranks
+from _dist import free_port, read_rank_reports, report_rank, spawn_ranks
 
 pytest.importorskip("trl")
 pytest.importorskip("datasets")
@@ -159,27 +156,14 @@ WORLD = 2
 TWO_PROCESS_CASE = "gspo"  # GSPO, the token-level vLLM ratio and (below) the off-policy mask
 
 
-def _worker(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
-    set_rank_environment(rank, world, port, LOCAL_WORLD_SIZE=str(world))
-    import torch
+def _two_process_body(model_dir: str, out_dir: str, world: int) -> dict:
+    """One rank of the 2-process case (run by ``report_rank``): TRL's run, then fastcov's."""
     from accelerate import PartialState
 
-    torch.set_num_threads(1)
-    result = {}
-    try:
-        PartialState(backend="gloo", cpu=True)
-        vllm, options = CASES[TWO_PROCESS_CASE]
-        options = dict(off_policy_mask_threshold=0.01, **options)
-        result = {kind: _run(kind, out_dir, model_dir, vllm, options, world=world) for kind in ("trl", "fastcov")}
-    except BaseException as exc:  # noqa: BLE001 - reported to the test, which fails naming it
-        import traceback
-
-        result["error"] = "".join(traceback.format_exception(exc))
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
-    try:
-        shutdown_process_group()
-    finally:
-        os._exit(0)
+    PartialState(backend="gloo", cpu=True)
+    vllm, options = CASES[TWO_PROCESS_CASE]
+    options = dict(off_policy_mask_threshold=0.01, **options)
+    return {kind: _run(kind, out_dir, model_dir, vllm, options, world=world) for kind in ("trl", "fastcov")}
 
 
 @pytest.mark.slow
@@ -188,10 +172,9 @@ def test_gspo_vllm_ratio_and_off_policy_mask_equal_trl_on_two_processes(tmp_path
 
     model_dir = str(tmp_path / "model")
     tiny_model().save_pretrained(model_dir)
-    spawn_ranks(_worker, (WORLD, free_port(), model_dir, str(tmp_path)), WORLD)
-    for rank in range(WORLD):
-        res = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert "error" not in res, f"rank {rank}:\n{res['error']}"
+    spawn_ranks(report_rank, (WORLD, free_port(), str(tmp_path), _two_process_body, model_dir, str(tmp_path), WORLD),
+                WORLD)
+    for rank, res in enumerate(read_rank_reports(tmp_path, WORLD)):
         # a rank's loss is its share of a global mean: sums that cancel to near 0 carry the terms' rounding
         _check(res["fastcov"], res["trl"], f"rank {rank}", abs_loss=5e-7)
         assert sum(loss != 0.0 for loss in res["trl"]["losses"]) >= STEPS // 2, res["trl"]["losses"]  # not all masked

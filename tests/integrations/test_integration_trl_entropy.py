@@ -5,11 +5,9 @@ checkpointed; the options are checked in one line each."""
 
 import json
 import math
-import os
-from pathlib import Path
 
 import pytest
-from _dist import free_port, set_rank_environment, shutdown_process_group, spawn_ranks
+from _dist import free_port, read_rank_reports, report_rank, spawn_ranks
 
 pytest.importorskip("trl")
 pytest.importorskip("datasets")
@@ -56,25 +54,12 @@ def _run(kind: str, model_dir: str, out_dir: str) -> dict:
     return dict(losses=losses, coefs=coefs, entropies=entropies)
 
 
-def _worker(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
-    set_rank_environment(rank, world, port, LOCAL_WORLD_SIZE=str(world))
-    import torch
+def _two_process_body(model_dir: str, out_dir: str) -> dict:
+    """One rank of the 2-process case (run by ``report_rank``): TRL's run, then fastcov's."""
     from accelerate import PartialState
 
-    torch.set_num_threads(1)
-    result = {}
-    try:
-        PartialState(backend="gloo", cpu=True)
-        result = {kind: _run(kind, model_dir, out_dir) for kind in ("trl", "fastcov")}
-    except BaseException as exc:  # noqa: BLE001 - reported to the test, which fails naming it
-        import traceback
-
-        result["error"] = "".join(traceback.format_exception(exc))
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
-    try:
-        shutdown_process_group()
-    finally:
-        os._exit(0)
+    PartialState(backend="gloo", cpu=True)
+    return {kind: _run(kind, model_dir, out_dir) for kind in ("trl", "fastcov")}
 
 
 @pytest.mark.slow
@@ -83,10 +68,8 @@ def test_adaptive_entropy_equals_trl_on_two_processes(tmp_path):
 
     model_dir = str(tmp_path / "model")
     tiny_model().save_pretrained(model_dir)
-    spawn_ranks(_worker, (WORLD, free_port(), model_dir, str(tmp_path)), WORLD)
-    for rank in range(WORLD):
-        res = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert "error" not in res, f"rank {rank}:\n{res['error']}"
+    spawn_ranks(report_rank, (WORLD, free_port(), str(tmp_path), _two_process_body, model_dir, str(tmp_path)), WORLD)
+    for rank, res in enumerate(read_rank_reports(tmp_path, WORLD)):
         trl, ours = res["trl"], res["fastcov"]
         assert len(trl["coefs"]) == STEPS and len(trl["losses"]) == 2 * STEPS, trl
         steps = [b - a for a, b in zip([ADAPTIVE["entropy_coef"]] + trl["coefs"], trl["coefs"], strict=False)]

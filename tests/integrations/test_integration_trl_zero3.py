@@ -8,12 +8,10 @@ reduced gradient, the LM head's included. Nothing is exempt from partitioning (n
 head only works on the gathered weight, and only its explicit registration gathers it when discovery is off.
 """
 
-import json
 import os
-from pathlib import Path
 
 import pytest
-from _dist import free_port, set_rank_environment, shutdown_process_group, spawn_ranks
+from _dist import free_port, read_rank_reports, report_rank, spawn_ranks
 
 pytest.importorskip("trl")
 pytest.importorskip("deepspeed")
@@ -148,51 +146,40 @@ CORRECTION_CASES = {
 }
 
 
-def _worker(rank: int, world: int, port: int, model_dirs: dict, out_dir: str, correction: bool = False) -> None:
-    set_rank_environment(rank, world, port, LOCAL_WORLD_SIZE=str(world))
-    import torch
+def _two_process_body(model_dirs: dict, out_dir: str, correction: bool = False) -> dict:
+    """One rank (run by ``report_rank``): per model (or, with ``correction``, per correction case) TRL's run and
+    fastcov's compared with it."""
     from accelerate import PartialState
 
-    torch.set_num_threads(1)
-    result = {}
-    try:
-        # transformers hands accelerate no backend under DeepSpeed, and without CUDA accelerate then counts one
-        # process: configure the state once with gloo, and let every trainer use it (use_configured_state)
-        os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
-        from fastcov.trainer.runtime.extensions import skip_shm_comm_op
+    result: dict = {}
+    # transformers hands accelerate no backend under DeepSpeed, and without CUDA accelerate then counts one
+    # process: configure the state once with gloo, and let every trainer use it (use_configured_state)
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+    from fastcov.trainer.runtime.extensions import skip_shm_comm_op
 
-        skip_shm_comm_op()  # gloo does the work: no JIT build of DeepSpeed's shm op (its lock races other jobs')
-        PartialState(backend="gloo")
-        if correction:  # each case: TRL's and fastcov's run on the untied model
-            for case, options in CORRECTION_CASES.items():
-                trl_run = _run("trl", model_dirs["untied"], out_dir, vllm=True, options=options)
-                head = trl_run["head"]
-                result[case] = dict(
-                    trl=dict(losses=trl_run["losses"], partitioned=trl_run["partitioned"], head=head,
-                             is_ratio_range=trl_run["is_ratio_range"],
-                             head_update_norm=float((trl_run["after"][head] - trl_run["before"][head]).norm())),
-                    fastcov=_compare(_run("fastcov", model_dirs["untied"], out_dir, vllm=True, options=options),
-                                     trl_run))
-            model_dirs = {}
-        for model_kind, model_dir in model_dirs.items():
-            trl_run = _run("trl", model_dir, out_dir)
+    skip_shm_comm_op()  # gloo does the work: no JIT build of DeepSpeed's shm op (its lock races other jobs')
+    PartialState(backend="gloo")
+    if correction:  # each case: TRL's and fastcov's run on the untied model
+        for case, options in CORRECTION_CASES.items():
+            trl_run = _run("trl", model_dirs["untied"], out_dir, vllm=True, options=options)
             head = trl_run["head"]
-            result[model_kind] = dict(
+            result[case] = dict(
                 trl=dict(losses=trl_run["losses"], partitioned=trl_run["partitioned"], head=head,
+                         is_ratio_range=trl_run["is_ratio_range"],
                          head_update_norm=float((trl_run["after"][head] - trl_run["before"][head]).norm())),
-                fastcov=_compare(_run("fastcov", model_dir, out_dir), trl_run),
-                fastcov_no_discovery=_compare(_run("fastcov", model_dir, out_dir, discovery=False), trl_run),
-            )
-    except BaseException as exc:  # noqa: BLE001 - reported to the test, which fails naming it
-        import traceback
-
-        result["error"] = "".join(traceback.format_exception(exc))
-    with open(Path(out_dir) / f"rank{rank}.json", "w") as f:
-        json.dump(result, f)
-    try:
-        shutdown_process_group()
-    finally:
-        os._exit(0)  # gloo/DeepSpeed threads can abort a normal interpreter exit
+                fastcov=_compare(_run("fastcov", model_dirs["untied"], out_dir, vllm=True, options=options),
+                                 trl_run))
+        return result
+    for model_kind, model_dir in model_dirs.items():
+        trl_run = _run("trl", model_dir, out_dir)
+        head = trl_run["head"]
+        result[model_kind] = dict(
+            trl=dict(losses=trl_run["losses"], partitioned=trl_run["partitioned"], head=head,
+                     head_update_norm=float((trl_run["after"][head] - trl_run["before"][head]).norm())),
+            fastcov=_compare(_run("fastcov", model_dir, out_dir), trl_run),
+            fastcov_no_discovery=_compare(_run("fastcov", model_dir, out_dir, discovery=False), trl_run),
+        )
+    return result
 
 
 def _check_against_trl(ours: dict, trl: dict, where) -> None:
@@ -214,10 +201,9 @@ def test_zero3_rollout_correction_gspo_and_vespo_equal_trl(tmp_path):
 
     model_dirs = {"untied": str(tmp_path / "untied")}
     tiny_model().save_pretrained(model_dirs["untied"])
-    spawn_ranks(_worker, (WORLD, free_port(), model_dirs, str(tmp_path), True), WORLD)
-    for rank in range(WORLD):
-        res = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert "error" not in res, f"rank {rank}:\n{res['error']}"
+    spawn_ranks(report_rank, (WORLD, free_port(), str(tmp_path), _two_process_body, model_dirs, str(tmp_path), True),
+                WORLD)
+    for rank, res in enumerate(read_rank_reports(tmp_path, WORLD)):
         for case in CORRECTION_CASES:
             trl = res[case]["trl"]
             assert trl["partitioned"] and len(trl["losses"]) == 2, (case, trl)
@@ -241,10 +227,8 @@ def test_zero3_loss_and_update_equal_trl(tmp_path):
         assert (model.get_output_embeddings().weight is model.get_input_embeddings().weight) == tied
         model_dirs[model_kind] = str(tmp_path / model_kind)
         model.save_pretrained(model_dirs[model_kind])
-    spawn_ranks(_worker, (WORLD, free_port(), model_dirs, str(tmp_path)), WORLD)
-    for rank in range(WORLD):
-        res = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert "error" not in res, f"rank {rank}:\n{res['error']}"
+    spawn_ranks(report_rank, (WORLD, free_port(), str(tmp_path), _two_process_body, model_dirs, str(tmp_path)), WORLD)
+    for rank, res in enumerate(read_rank_reports(tmp_path, WORLD)):
         for model_kind in model_dirs:
             trl = res[model_kind]["trl"]
             assert trl["partitioned"], "ZeRO-3 should partition the tiny model's head"
