@@ -29,15 +29,10 @@ def sampler_logps(ids: list[int]) -> list[float]:
     return [math.log(1 / 160) + 0.08 * math.sin(1.7 * tok + 0.9 * pos) for pos, tok in enumerate(ids)]
 
 
-def _run(kind: str, out_dir: str, model, vllm: bool, options: dict, world: int = 1) -> dict:
-    import datasets
-    import trl
-    from test_integration_trl import reward_digits, tiny_tokenizer
-
-    from fastcov.integrations.trl import FastcovGRPOConfig, FastcovGRPOTrainer
-
-    base, config_cls = (trl.GRPOTrainer, trl.GRPOConfig) if kind == "trl" else (FastcovGRPOTrainer, FastcovGRPOConfig)
-    losses = []
+def recording_trainer(base, losses: list):
+    """``base`` (TRL's GRPOTrainer or fastcov's) that appends each step's loss to ``losses`` and, when TRL reads
+    vLLM's log-probs (``trainer.use_vllm``), generates with transformers and hands over ``sampler_logps`` as the
+    sampler's (vLLM itself is never called)."""
 
     class Recording(base):
         def _compute_loss(self, model, inputs):
@@ -48,10 +43,25 @@ def _run(kind: str, out_dir: str, model, vllm: bool, options: dict, world: int =
         def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, **kwargs):
             use_vllm, self.use_vllm = self.use_vllm, False  # TRL's transformers generation, then vLLM's log-probs
             try:
-                ids, _ = super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, **kwargs)
+                ids, logps = super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
+                                                           **kwargs)
             finally:
                 self.use_vllm = use_vllm
-            return ids, [sampler_logps(row) for row in ids]
+            return ids, ([sampler_logps(row) for row in ids] if use_vllm else logps)
+
+    return Recording
+
+
+def _run(kind: str, out_dir: str, model, vllm: bool, options: dict, world: int = 1) -> dict:
+    import datasets
+    import trl
+    from test_integration_trl import reward_digits, tiny_tokenizer
+
+    from fastcov.integrations.trl import FastcovGRPOConfig, FastcovGRPOTrainer
+
+    base, config_cls = (trl.GRPOTrainer, trl.GRPOConfig) if kind == "trl" else (FastcovGRPOTrainer, FastcovGRPOConfig)
+    losses: list[float] = []
+    Recording = recording_trainer(base, losses)
 
     extra = dict(fastcov_loss_mode="vanilla") if kind == "fastcov" else {}
     kwargs = dict(

@@ -54,29 +54,14 @@ def _run(kind: str, model_dir: str, out_dir: str, discovery: bool = True, vllm: 
     from accelerate.state import AcceleratorState
     from deepspeed.runtime.zero.parameter_offload import ZeROOrderedDict
     from test_integration_trl import reward_digits, tiny_tokenizer
+    from test_integration_trl_correction import recording_trainer
 
     from fastcov.integrations.trl import FastcovGRPOConfig, FastcovGRPOTrainer
 
     base_trainer, config_cls = (trl.GRPOTrainer, trl.GRPOConfig) if kind == "trl" else \
         (FastcovGRPOTrainer, FastcovGRPOConfig)
-    losses = []
-
-    class Recording(base_trainer):
-        def _compute_loss(self, model, inputs):
-            loss = super()._compute_loss(model, inputs)
-            losses.append(float(loss.detach()))
-            return loss
-
-        def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, **kwargs):
-            from test_integration_trl_correction import sampler_logps
-
-            use_vllm, self.use_vllm = self.use_vllm, False  # TRL's transformers generation, then vLLM's log-probs
-            try:
-                ids, logps = super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
-                                                           **kwargs)
-            finally:
-                self.use_vllm = use_vllm
-            return ids, ([sampler_logps(row) for row in ids] if use_vllm else logps)
+    losses: list[float] = []
+    Recording = recording_trainer(base_trainer, losses)
 
     extra = dict(fastcov_loss_mode="vanilla") if kind == "fastcov" else {}
     # steps_per_generation=2: TRL scores the old log-probs with the bare policy module (no DeepSpeed engine call)
