@@ -9,6 +9,10 @@ import pytest
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 ROOT = Path(__file__).resolve().parents[3]
 STUDY = ROOT / "configs" / "studies" / "jin-reweight.yaml"
+# a study at test size: a 2-step warm start on 64 problems, 4 held out; runs of 2 prompts x 4 short answers
+TINY_SETUP = ["--sft-steps", "2", "--n-train", "64", "--n-val", "4"]
+TINY_RUNS = ["trainer.eval_k=2", "trainer.prompts_per_step=2", "rollout.n=4", "algo.mini_batches=1",
+             "rollout.max_new_tokens=6", "trainer.progress=false"]
 
 
 def test_study_file_carries_the_paper_values():
@@ -78,7 +82,7 @@ def test_study_runs_three_arms_and_reports(tmp_path):
     pytest.importorskip("transformers")
     from fastcov.trainer.experiments.study import main
 
-    rc = main([str(STUDY), "--out", str(tmp_path), "--sft-steps", "2", "--n-train", "64", "--n-val", "4",
+    rc = main([str(STUDY), "--out", str(tmp_path), *TINY_SETUP,
                "trainer.max_steps=1", "trainer.prompts_per_step=4", "rollout.n=4", "algo.mini_batches=2",
                "trainer.eval_every=1", "trainer.eval_k=2", "rollout.max_new_tokens=12", "trainer.progress=false"])
     assert rc == 0
@@ -105,10 +109,8 @@ def test_multi_seed_study_reports_intervals_and_the_law(tmp_path):
     study = load_study(study_file)
     assert study["seeds"] == [0, 1, 2] and set(study["arms"]) == {"grpo", "clip_cov", "kl_cov", "kl_cov_beta0",
                                                                  "kl_cov_random"}
-    rc = main([str(study_file), "--out", str(tmp_path), "--sft-steps", "2", "--n-train", "64", "--n-val", "4",
-               "--seeds", "0,1", "--arms", "grpo,kl_cov_random", "trainer.max_steps=20", "trainer.eval_every=20",
-               "trainer.eval_k=2", "trainer.prompts_per_step=2", "rollout.n=4", "algo.mini_batches=1",
-               "rollout.max_new_tokens=6", "trainer.progress=false"])
+    rc = main([str(study_file), "--out", str(tmp_path), *TINY_SETUP, "--seeds", "0,1", "--arms", "grpo,kl_cov_random",
+               "trainer.max_steps=20", "trainer.eval_every=20", *TINY_RUNS])
     assert rc == 0
     text = (tmp_path / "report.md").read_text()
     assert "| grpo | 2 |" in text and "| kl_cov_random | 2 |" in text and " ± " in text
@@ -201,10 +203,8 @@ def test_selection_study_smoke_reports_the_selection_section(tmp_path):
     from fastcov.trainer.experiments.study import main
 
     args = [str(SELECTION), "--out", str(tmp_path), "--seeds", "0", "--arms", "grpo,clip_cov,clip_cov_random"]
-    rc = main(args + ["--sft-steps", "2", "--n-train", "64", "--n-val", "4", "trainer.max_steps=3",
-                      "trainer.eval_every=3", "trainer.eval_k=2", "trainer.prompts_per_step=2", "rollout.n=4",
-                      "algo.mini_batches=1", "rollout.max_new_tokens=6", "algo.clip_cov_ratio=0.2",
-                      "algo.clip_cov_lb=-10.0", "trainer.progress=false"])
+    rc = main(args + [*TINY_SETUP, "trainer.max_steps=3", "trainer.eval_every=3", *TINY_RUNS,
+                      "algo.clip_cov_ratio=0.2", "algo.clip_cov_lb=-10.0"])
     assert rc == 0
     text = (tmp_path / "report.md").read_text()
     assert "## Selection − random, per ratio" in text and "| clip_cov | 0.2 | 2 |" in text
@@ -226,10 +226,8 @@ def test_controllers_study_smoke_reports_how_each_arm_holds_the_target(tmp_path)
     from fastcov.trainer.experiments.study import main
 
     study_file = ROOT / "configs" / "studies" / "controllers.yaml"
-    rc = main([str(study_file), "--out", str(tmp_path), "--sft-steps", "2", "--n-train", "64", "--n-val", "4",
-               "--seeds", "0,1", "--arms", "grpo,bonus_adaptive", "trainer.max_steps=6", "trainer.eval_every=6",
-               "trainer.eval_k=2", "trainer.prompts_per_step=2", "rollout.n=4", "algo.mini_batches=1",
-               "rollout.max_new_tokens=6", "trainer.progress=false"])
+    rc = main([str(study_file), "--out", str(tmp_path), *TINY_SETUP, "--seeds", "0,1", "--arms", "grpo,bonus_adaptive",
+               "trainer.max_steps=6", "trainer.eval_every=6", *TINY_RUNS])
     assert rc == 0
     text = (tmp_path / "report.md").read_text()
     assert "How each arm holds the target 0.25 nats/token" in text
