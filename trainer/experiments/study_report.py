@@ -398,12 +398,13 @@ def target_holding(numbers: dict[str, list[dict[str, Any]]], target: float,
              "| arm | mean abs(H − target) | second-half steps within 10% | first step within 10% (per seed) | "
              "mean H, second half |", "|---|---:|---:|---|---:|"]
     summary: dict[str, Any] = {"target": target, "arms": {}}
+    errors_of: dict[str, list[float]] = {}
     for arm, runs in numbers.items():
-        errors, shares, firsts, means = [], [], [], []
+        errors, shares, firsts, means = errors_of.setdefault(arm, []), [], [], []
         for r in runs:
             steps, ent = r["steps"], r["entropy"]
             half = ent[len(ent) // 2:]
-            errors.append(_abs_error(r, target))
+            errors.append(sum(abs(h - target) for h in half) / len(half))
             shares.append(sum(abs(h - target) <= band for h in half) / len(half))
             means.append(sum(half) / len(half))
             firsts.append(next((s for s, h in zip(steps, ent, strict=True) if abs(h - target) <= band), None))
@@ -415,24 +416,17 @@ def target_holding(numbers: dict[str, list[dict[str, Any]]], target: float,
         first_text = ", ".join("never" if f is None else str(f) for f in firsts)
         lines.append(f"| {arm} | {_cell(*err)} | {_cell(*share, '.2f')} | {first_text} | {_cell(*mean_h)} |")
     if baseline in numbers:
-        base = [_abs_error(r, target) for r in numbers[baseline]]
         lines.append("")
-        for arm, runs in numbers.items():
+        for arm in numbers:
             if arm == baseline:
                 continue
-            gap, half_w = diff_ci([_abs_error(r, target) for r in runs], base)
+            gap, half_w = diff_ci(errors_of[arm], errors_of[baseline])
             summary["arms"][arm]["abs_error_gap"] = {"mean": gap, "ci95": half_w,
                                                      "excludes_zero": _excludes_zero(gap, half_w)}
             verdict = "excludes" if _excludes_zero(gap, half_w) else "includes"
             lines.append(f"- {arm} − {baseline}, mean abs(H − target): {_cell(gap, half_w)} "
                          f"(the interval {verdict} 0).")
     return lines, summary
-
-
-def _abs_error(run: dict[str, Any], target: float) -> float:
-    """Mean |H − target| over the second half of a run's steps."""
-    half = run["entropy"][len(run["entropy"]) // 2:]
-    return sum(abs(h - target) for h in half) / len(half)
 
 
 def plot_target(numbers: dict[str, list[dict[str, Any]]], target: float, path: Path,
