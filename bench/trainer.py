@@ -15,9 +15,12 @@ Cases:
   c  KL-Cov: fastcov's trainer vs ``FastcovGRPOTrainer`` (fastcov's loss inside TRL), answers as in a
 
 Per rollout batch: rollout s, old-log-prob s, update s, total s, generated tokens/s, peak RSS, mean reward. The
-first ``--warmup`` batches are left out of the medians. Learning is measured by the bench itself: the warm start and
-each trained model are evaluated with the same code on the same held-out prompts (``EVAL``: ``eval_before``,
-``eval_after``), since the rollout batches' reward changes with their prompts. One JSON line per trainer and case
+first ``--warmup`` batches are left out of the medians. Both trainers draw their prompts from the same pool, the
+first ``--pool`` problems of the training file (32 on CPU), so that each prompt comes back every other batch and a
+few batches of GRPO measurably raise the reward. Learning is measured by the bench itself: the warm start and each
+trained model are evaluated with the same code on the pool (``pool_before``, ``pool_after``) and on held-out
+prompts (``EVAL``: ``eval_before``, ``eval_after``), since the rollout batches' reward changes with their prompts.
+One JSON line per trainer and case
 is appended to ``<out>/<device>/trainer-<date>.jsonl`` and printed; the ratios (TRL's ÷ fastcov's) are printed
 at the end.
 """
@@ -40,21 +43,26 @@ ROOT = Path(__file__).resolve().parent.parent
 PRESETS: dict[str, dict] = {
     # the CPU run: 7.9 minutes from an empty --work on 2 cores at load ~3-4 (warm start 1.4 of them; 7.0 CPU minutes)
     "cpu": dict(device="cpu", hidden=256, layers=4, heads=4, kv_heads=2, intermediate=768, sft_steps=150,
-                sft_lr=3e-3, prompts=16, n=8, max_new=32, long_new=128, mini_batches=8, lr=1e-4, steps=5,
-                warmup=1, threads=1),
+                sft_lr=3e-3, prompts=16, n=8, max_new=32, long_new=128, mini_batches=8, lr=1e-4, steps=8,
+                warmup=1, threads=1, pool=32, logprob_budget=2048),
     # seconds, for the test: a tiny model, two rollout batches of 2 prompts x 4
     "tiny": dict(device="cpu", hidden=32, layers=1, heads=2, kv_heads=1, intermediate=64, sft_steps=10,
                  sft_lr=3e-3, prompts=2, n=4, max_new=8, long_new=24, mini_batches=2, lr=1e-4, steps=1,
-                 warmup=1, threads=1, eval_prompts=8),
+                 warmup=1, threads=1, eval_prompts=8, pool=4),
     # Qwen2.5-1.5B's decoder (28 layers, hidden 1536, 12 heads / 2 KV heads, MLP 8960) on the demo's vocabulary
     "gpu-1.5b": dict(device="cuda", hidden=1536, layers=28, heads=12, kv_heads=2, intermediate=8960, sft_steps=150,
                      sft_lr=1e-4, prompts=16, n=8, max_new=32, long_new=256, mini_batches=8, lr=1e-6, steps=8,
-                     warmup=1, threads=0),
+                     warmup=1, threads=0, pool=64),
 }
 # The held-out evaluation run by the bench itself, the same code for the warm start and for every trained model:
 # fastcov's ``evaluate_model`` (its HF engine) on the first ``prompts`` problems of the demo's val.parquet, ``k``
 # answers each at the rollout temperature, a fixed seed; ``eval_mean`` is the mean reward of the prompts x k answers.
 EVAL = dict(prompts=128, k=8, temperature=1.0, seed=0)
+# The training pool: both trainers draw their prompts from the first ``pool`` problems of train.parquet (a preset
+# value), each seen again every pool / prompts rollout batches, so that a few batches of GRPO measurably raise the
+# reward on them; ``pool_before`` / ``pool_after`` evaluate the pool itself (``POOL_K`` answers per prompt, the
+# rest as ``EVAL``). 0: the whole file.
+POOL_K = 16
 CASES = {"a": ("fastcov", "trl"), "b": ("fastcov", "trl"), "c": ("fastcov", "trl+fastcov")}
 CASE_NAMES = {"a": "similar-length", "b": "one-long", "c": "kl-cov"}
 KL_COV = dict(ratio=0.5, coef=1.0)  # configs/demo.yaml's KL-Cov
@@ -93,9 +101,24 @@ def prepare(work: Path, p: dict, preset: str) -> tuple[Path, Path]:
     return data, sft / "model"
 
 
-def evaluate(model: Path, data: Path, p: dict) -> dict:
-    """The held-out evaluation (``EVAL``) of the Hugging Face model directory ``model``: mean reward, pass@k and
-    its binomial standard error over the prompts x k answers."""
+def train_pool(data: Path, p: dict) -> Path:
+    """The parquet file both trainers train on: the first ``p["pool"]`` rows of ``data``/train.parquet (all of
+    it for 0), written once."""
+    n = p.get("pool", 0)
+    if not n:
+        return data / "train.parquet"
+    path = data / f"pool-{n}.parquet"
+    if not path.is_file():
+        import pandas as pd
+
+        pd.read_parquet(data / "train.parquet").iloc[:n].to_parquet(path)
+    return path
+
+
+def evaluate(model: Path, data_file: Path, p: dict, prompts: int | None = None, k: int | None = None) -> dict:
+    """The evaluation (``EVAL``) of the Hugging Face model directory ``model`` on ``data_file``'s first
+    ``prompts`` problems (the preset's held-out count by default), ``k`` answers each: mean reward, pass@k and its
+    binomial standard error over the prompts x k answers."""
     import math
 
     import torch
@@ -105,9 +128,9 @@ def evaluate(model: Path, data: Path, p: dict) -> dict:
     if p["threads"]:
         torch.set_num_threads(p["threads"])
     t0 = time.perf_counter()
-    k = EVAL["k"]
-    res = evaluate_model(str(model), [str(data / "val.parquet")], k=k, temperature=EVAL["temperature"],
-                         max_new_tokens=p["max_new"], max_prompts=p.get("eval_prompts", EVAL["prompts"]),
+    k = k or EVAL["k"]
+    res = evaluate_model(str(model), [str(data_file)], k=k, temperature=EVAL["temperature"],
+                         max_new_tokens=p["max_new"], max_prompts=prompts or p.get("eval_prompts", EVAL["prompts"]),
                          seed=EVAL["seed"], sample_all=True,
                          device="cpu" if not torch.cuda.is_available() else "auto")
     m = res[f"val_mean@{k}"]
@@ -115,18 +138,28 @@ def evaluate(model: Path, data: Path, p: dict) -> dict:
             "prompts": res["prompts"], "k": k, "seconds": time.perf_counter() - t0}
 
 
+def evaluate_both(model: Path, data: Path, p: dict) -> dict:
+    """``{"held_out": ..., "pool": ...}``: ``evaluate`` on val.parquet and on the training pool."""
+    out = {"held_out": evaluate(model, data / "val.parquet", p)}
+    if p.get("pool"):
+        out["pool"] = evaluate(model, train_pool(data, p), p, prompts=p["pool"], k=POOL_K)
+    return out
+
+
 def eval_start(sft_model: Path, data: Path, p: dict) -> dict:
-    """``evaluate`` of the warm start, cached next to it (every trainer and case starts from it)."""
+    """``evaluate_both`` of the warm start, cached next to it (every trainer and case starts from it)."""
     path = sft_model.parent / "eval.json"
-    key = json.dumps({**EVAL, "max_new": p["max_new"], "prompts": p.get("eval_prompts", EVAL["prompts"])},
-                     sort_keys=True)
+    key = json.dumps({**EVAL, "max_new": p["max_new"], "prompts": p.get("eval_prompts", EVAL["prompts"]),
+                      "pool": p.get("pool", 0), "pool_k": POOL_K}, sort_keys=True)
     if path.is_file():
         got = json.loads(path.read_text())
         if got.get("key") == key:
             return got["eval"]
-    res = evaluate(sft_model, data, p)
+    res = evaluate_both(sft_model, data, p)
     path.write_text(json.dumps({"key": key, "eval": res}))
-    log(f"[bench.trainer] held-out eval of the warm start: mean reward {res['mean']:.3f} ± {res['se']:.3f}")
+    pool = f", training pool {res['pool']['mean']:.3f} ± {res['pool']['se']:.3f}" if "pool" in res else ""
+    log(f"[bench.trainer] eval of the warm start: held-out mean reward {res['held_out']['mean']:.3f} ± "
+        f"{res['held_out']['se']:.3f}{pool}")
     return res
 
 
@@ -215,13 +248,15 @@ def run_fastcov(spec: dict) -> dict:
 
     p, case = spec["preset"], spec["case"]
     run_dir = Path(spec["work"]) / f"run-{spec['preset_name']}-{case}-fastcov"
-    over = [f"model.path={spec['model']}", f"data.train_files=[{spec['data']}/train.parquet]",
+    over = [f"model.path={spec['model']}", f"data.train_files=[{train_pool(Path(spec['data']), p)}]",
             f"data.val_files=[{spec['data']}/val.parquet]", f"trainer.run_dir={run_dir}",
             f"trainer.max_steps={p['warmup'] + p['steps']}", f"trainer.prompts_per_step={p['prompts']}",
             f"rollout.n={p['n']}", f"rollout.max_new_tokens={spec['max_new']}",
             f"algo.mini_batches={p['mini_batches']}",
             f"optim.lr={p['lr']}", "trainer.eval_every=0", f"trainer.threads={p['threads']}",
             f"trainer.device={p['device']}", "trainer.save_every=0", "trainer.seed=0", "trainer.progress=false"]
+    if p.get("logprob_budget"):  # the old-log-prob pass in cache-sized micro-batches (bench/logprob_profile.py)
+        over += [f"trainer.logprob_token_budget={p['logprob_budget']}"]
     if case == "c":
         over += ["algo.mode=kl_cov", "algo.scope=microbatch", f"algo.kl_cov_ratio={KL_COV['ratio']}",
                  f"algo.kl_cov_coef={KL_COV['coef']}"]
@@ -267,11 +302,12 @@ def run_fastcov(spec: dict) -> dict:
                       "peak_rss_mb": peaks[i] if i < len(peaks) else None})
     peak = peak_rss_mb()  # before the evaluation
     return {"steps": steps, "rss_base_mb": base, "peak_rss_mb": peak, "wall_s": wall,
-            "eval_after": evaluate(run_dir / "final", Path(spec["data"]), p),
+            "eval_after": evaluate_both(run_dir / "final", Path(spec["data"]), p),
             "rss_setup_mb": setup_rss[0] if setup_rss else None, "optimizer_steps_per_batch": p["mini_batches"],
             "settings": {"algo.mode": "kl_cov" if case == "c" else "vanilla", "algo.loss_agg": "token-mean",
                          "algo.mini_batches": p["mini_batches"], "rollout.seeding": cfg.rollout.seeding,
-                         "algo.scope": cfg.algo.scope}}
+                         "algo.scope": cfg.algo.scope, "trainer.packing": cfg.trainer.packing,
+                         "trainer.logprob_token_budget": cfg.trainer.logprob_token_budget}}
 
 
 def run_trl(spec: dict) -> dict:
@@ -291,7 +327,7 @@ def run_trl(spec: dict) -> dict:
     tok = load_tok(spec["model"])
     dtype = torch.bfloat16 if p["device"] == "cuda" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=dtype, attn_implementation="sdpa")
-    df = pd.read_parquet(Path(spec["data"]) / "train.parquet")
+    df = pd.read_parquet(train_pool(Path(spec["data"]), p))
     ds = datasets.Dataset.from_dict({"prompt": [list(m) for m in df["prompt"]],
                                      "truth": [r["ground_truth"] for r in df["reward_model"]]})
     rcfg = load_config(ROOT / "configs" / "demo.yaml", []).reward
@@ -314,7 +350,7 @@ def run_trl(spec: dict) -> dict:
     trainer.save_model(str(final))
     tok.save_pretrained(str(final))
     return {"steps": batches, "rss_base_mb": base, "peak_rss_mb": peak, "wall_s": wall,
-            "eval_after": evaluate(final, Path(spec["data"]), p),
+            "eval_after": evaluate_both(final, Path(spec["data"]), p),
             "rss_setup_mb": setup_rss[0] if setup_rss else None, "optimizer_steps_per_batch": S,
             "settings": {"loss_type": "bnpo", "steps_per_generation": S, "per_device_train_batch_size":
                          args.per_device_train_batch_size, "gradient_accumulation_steps": 1,
@@ -445,7 +481,10 @@ def summarize(trainer: str, case: str, res: dict, p: dict, spec: dict) -> dict:
         "reward_first": rewards[0] if rewards else None, "reward_last": rewards[-1] if rewards else None,
         "reward_first_half": statistics.fmean(rewards[:half]) if rewards else None,
         "reward_second_half": statistics.fmean(rewards[half:]) if len(rewards) > 1 else None,
-        "eval_before": spec.get("eval_before"), "eval_after": res.get("eval_after"),
+        "eval_before": (spec.get("eval_before") or {}).get("held_out"),
+        "eval_after": (res.get("eval_after") or {}).get("held_out"),
+        "pool_before": (spec.get("eval_before") or {}).get("pool"),
+        "pool_after": (res.get("eval_after") or {}).get("pool"), "pool": p.get("pool", 0), "pool_k": POOL_K,
         "eval_settings": {**EVAL, "prompts": p.get("eval_prompts", EVAL["prompts"]), "max_new_tokens": p["max_new"],
                           "data": "val.parquet (its first prompts)"},
         "rollout_batches": len(steps), "warmup_batches": p["warmup"], "optimizer_steps_per_batch": S,
@@ -473,7 +512,7 @@ def run_one(trainer: str, case: str, p: dict, preset: str, work: Path, data: Pat
     row = summarize(trainer, case, json.loads(result.read_text()), p, spec)
     log(f"[bench.trainer] case {case}: {trainer} done in {time.perf_counter() - t0:.0f}s: {row['step_s']:.3f} s per "
         f"optimizer step, reward {row['reward_first']:.3f} -> {row['reward_last']:.3f}, held-out "
-        f"{(before or {}).get('mean', float('nan')):.3f} -> {row['eval_after']['mean']:.3f}")
+        f"{held_out(row)}, training pool {held_out(row, 'pool')}")
     return row
 
 
@@ -503,9 +542,10 @@ def ratios(rows: list[dict]) -> list[dict]:
     return out
 
 
-def held_out(r: dict) -> str:
-    """``eval_before`` → ``eval_after`` (mean reward ± binomial standard error), "—" in lines without them."""
-    b, a = r.get("eval_before"), r.get("eval_after")
+def held_out(r: dict, which: str = "eval") -> str:
+    """``<which>_before`` → ``<which>_after`` (mean reward ± binomial standard error; ``eval``: the held-out
+    prompts, ``pool``: the training pool), "—" in lines without them."""
+    b, a = r.get(f"{which}_before"), r.get(f"{which}_after")
     if not b or not a:
         return "—"
     return f"{b['mean']:.3f} → {a['mean']:.3f} ({a['mean'] - b['mean']:+.3f}, SE {a['se']:.3f})"
@@ -514,13 +554,15 @@ def held_out(r: dict) -> str:
 def render(rows: list[dict]) -> str:
     """Markdown: one row per trainer and case (medians per rollout batch), then the ratios."""
     out = ["| case | trainer | s / optimizer step | rollout s | old log-prob s | update s | tokens/s | peak RSS MB "
-           "| RSS growth in training MB | reward first → last (mean 1st half → 2nd half) | held-out before → after |",
-           "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+           "| RSS growth in training MB | reward first → last (mean 1st half → 2nd half) | training pool before → "
+           "after | held-out before → after |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|"]
     for r in rows:
         out.append(f"| {r['case']} {r['case_name']} | {r['trainer']} | {r['step_s']:.3f} | {r['rollout_s']:.2f} | "
                    f"{r['logprob_s']:.2f} | {r['update_s']:.2f} | {r['tokens_per_s']:.0f} | {r['peak_rss_mb']:.0f} | "
                    f"{r['train_rss_mb'] or 0:.0f} | {r['reward_first']:.3f} → {r['reward_last']:.3f} "
-                   f"({r['reward_first_half']:.3f} → {r['reward_second_half']:.3f}) | {held_out(r)} |")
+                   f"({r['reward_first_half']:.3f} → {r['reward_second_half']:.3f}) | {held_out(r, 'pool')} | "
+                   f"{held_out(r)} |")
     out += ["", "| case | against | speed-up (its s/step ÷ fastcov's) | rollout | old log-prob | update | "
             "fastcov peak RSS ÷ its |", "|---|---|---:|---:|---:|---:|---:|"]
     for q in ratios(rows):
@@ -537,6 +579,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="measured rollout batches (after the warm-up ones)")
     ap.add_argument("--warmup", type=int, default=None, help="rollout batches left out of the medians")
     ap.add_argument("--lr", type=float, default=None, help="learning rate of both trainers (the preset's by default)")
+    ap.add_argument("--pool", type=int, default=None,
+                    help="train on the first N prompts of train.parquet (the preset's by default; 0: all of it)")
     ap.add_argument("--work", default="runs/bench-trainer", help="data, warm start and run directories")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--jsonl", default=None, help="where the lines go (default <out>/<device>/trainer-<date>.jsonl)")
@@ -560,6 +604,8 @@ def main(argv: list[str] | None = None) -> int:
         p["warmup"] = args.warmup
     if args.lr is not None:
         p["lr"] = args.lr
+    if args.pool is not None:
+        p["pool"] = args.pool
     if p["device"] == "cuda" and not torch.cuda.is_available():
         log("[bench.trainer] preset needs CUDA; none here")
         return 2
@@ -582,6 +628,7 @@ def main(argv: list[str] | None = None) -> int:
             "torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__,
             "model": {k: p[k] for k in ("hidden", "layers", "heads", "kv_heads", "intermediate")},
             "prompts": p["prompts"], "rollouts_per_prompt": p["n"], "lr": p["lr"], "threads": p["threads"],
+            "train_pool": p.get("pool", 0),
             "command": "python -m bench.trainer " + " ".join(argv if argv is not None else sys.argv[1:])}
     rows = []
     for case in cases:

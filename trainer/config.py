@@ -504,6 +504,10 @@ class TrainerConfig:
     max_steps: int = 100
     prompts_per_step: int = 16  # global, over all data-parallel ranks
     micro_token_budget: int = 8192  # tokens per micro-batch and rank (prompt + response)
+    # The same for step 4's no-grad pass over the whole rollout batch (the old log-probs; verl's
+    # log_prob_max_token_len_per_gpu); None: micro_token_budget. On CPU smaller is faster, the activations
+    # staying in cache (python -m bench.logprob_profile: 1024-2048 beat 8192 by 1.3x at hidden 256).
+    logprob_token_budget: int | None = None
     # Concatenate several sequences per row (attention confined to each: a block-diagonal causal mask,
     # or flash-attn's position-id packing) instead of one padded sequence per row. Same log-probs; less
     # padding (CPU, hidden 256 x 4 layers, mixed lengths: 1.7x the tokens/s of padding; equal when lengths are uniform).
@@ -549,6 +553,8 @@ class TrainerConfig:
         _check(t.max_steps >= 0, "trainer.max_steps", "must be >= 0")
         _check(t.prompts_per_step >= 1, "trainer.prompts_per_step", "must be >= 1")
         _check(t.micro_token_budget >= 1, "trainer.micro_token_budget", "must be >= 1")
+        _check(t.logprob_token_budget is None or t.logprob_token_budget >= 1, "trainer.logprob_token_budget",
+               f"must be >= 1 or null (= trainer.micro_token_budget), got {t.logprob_token_budget}")
         _check(t.threads >= 0, "trainer.threads", f"must be >= 0 (0 = torch's default), got {t.threads}")
         _check(t.collective_timeout_s >= 0, "trainer.collective_timeout_s",
                f"must be >= 0 (0 = DeepSpeed's default), got {t.collective_timeout_s}")

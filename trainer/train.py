@@ -146,13 +146,14 @@ def collect_rollouts(cfg: Config, step: int, sampler, train_set, rollout, reward
 
 # ---------------------------------------------------------------------------------------- steps 4 and 5
 
-def batching(cfg: Config, engine) -> dict:
-    """``micro_batches`` options of the run: token budget and packing (flash-attn packs one row per
-    micro-batch, taking the sequence boundaries from the position ids)."""
+def batching(cfg: Config, engine, no_grad: bool = False) -> dict:
+    """``micro_batches`` options of the run: token budget (``trainer.logprob_token_budget`` for step 4's
+    no-grad pass over the rollout batch when set) and packing (flash-attn packs one row per micro-batch, taking the
+    sequence boundaries from the position ids)."""
     t = cfg.trainer
+    budget = (t.logprob_token_budget or t.micro_token_budget) if no_grad else t.micro_token_budget
     flash = engine.policy.lm.config._attn_implementation.startswith("flash_attention")
-    return {"budget": t.micro_token_budget, "packing": t.packing,
-            "row_capacity": t.micro_token_budget if (t.packing and flash) else None}
+    return {"budget": budget, "packing": t.packing, "row_capacity": budget if (t.packing and flash) else None}
 
 
 def forward(engine, mb: MicroBatch, temperature: float, vocab_cov: bool = False):
@@ -170,7 +171,7 @@ def compute_old_logprobs(engine, seqs: list[Sequence], cfg: Config, pad_id: int,
     engine.eval()
     ent_sum = tok_sum = lp_diff = lp_diff_max = 0.0
     with torch.no_grad():
-        for mb in micro_batches(seqs, pad_id=pad_id, device=device, **batching(cfg, engine)):
+        for mb in micro_batches(seqs, pad_id=pad_id, device=device, **batching(cfg, engine, no_grad=True)):
             res = forward(engine, mb, cfg.rollout.temperature, vocab_cov=keep_vocab_cov)
             if mb.weight == 0:
                 continue

@@ -85,6 +85,17 @@ def test_tiny_run_writes_one_line_per_trainer(tmp_path, capsys):
         assert r["eval_before"] == rows[0]["eval_before"] and r["eval_settings"]["k"] == B.EVAL["k"]
         for ev in (r["eval_before"], r["eval_after"]):
             assert 0.0 <= ev["mean"] <= 1.0 and ev["se"] >= 0 and ev["prompts"] > 0
+        # the training pool's: its prompts, POOL_K answers each
+        assert r["pool"] == B.PRESETS["tiny"]["pool"] and r["pool_before"] == rows[0]["pool_before"]
+        for ev in (r["pool_before"], r["pool_after"]):
+            assert ev["prompts"] == r["pool"] and ev["k"] == B.POOL_K and 0.0 <= ev["mean"] <= 1.0
+    # both trainers read the pool file: its rows are train.parquet's first ones
+    import pandas as pd
+
+    data = tmp_path / "work" / "data"
+    pool = pd.read_parquet(B.train_pool(data, B.PRESETS["tiny"]))
+    assert len(pool) == B.PRESETS["tiny"]["pool"]
+    assert pool.equals(pd.read_parquet(data / "train.parquet").iloc[: len(pool)])
 
 
 def test_gpu_suite_part_is_registered_outside_the_default_order():

@@ -265,3 +265,42 @@ def test_gradient_checkpointing_is_enabled_without_deprecation_warnings():
         lm(input_ids=ids, labels=ids).loss.backward()
         grads.append(torch.cat([p.grad.flatten() for p in lm.parameters() if p.grad is not None]))
     torch.testing.assert_close(grads[1], grads[0], atol=1e-5, rtol=1e-4)
+
+
+class _Engine:
+    """What compute_old_logprobs needs of the DeepSpeed engine: ``policy``, ``eval()`` and the forward."""
+
+    def __init__(self, policy):
+        self.policy = policy
+
+    def eval(self):
+        self.policy.eval()
+
+    def __call__(self, **kw):
+        return self.policy(**kw)
+
+
+def test_logprob_token_budget_splits_step_4_only(policy, monkeypatch):
+    from fastcov.trainer import train as T
+    from fastcov.trainer.config import ConfigError
+
+    budgets = []
+    real = T.micro_batches
+    monkeypatch.setattr(T, "micro_batches", lambda *a, **k: budgets.append(k["budget"]) or real(*a, **k))
+    engine = _Engine(policy)
+    out = {}
+    for over in ([], ["trainer.logprob_token_budget=40"]):
+        cfg = load_config(ROOT / "configs" / "tiny.yaml", over)
+        seqs = _sequences()
+        for s in seqs:
+            s.old_logprob = None
+        T.compute_old_logprobs(engine, seqs, cfg, pad_id=0, device=CPU)
+        out[len(over)] = seqs
+        # the update's micro-batches keep trainer.micro_token_budget
+        assert T.batching(cfg, engine)["budget"] == cfg.trainer.micro_token_budget
+    assert budgets == [load_config(ROOT / "configs" / "tiny.yaml", []).trainer.micro_token_budget, 40]
+    for a, b in zip(out[0], out[1], strict=True):
+        assert a.old_logprob is not None and all(x < 0 for x in a.old_logprob)
+        torch.testing.assert_close(torch.tensor(b.old_logprob), torch.tensor(a.old_logprob), atol=1e-5, rtol=0)
+    with pytest.raises(ConfigError, match="trainer.logprob_token_budget"):
+        load_config(ROOT / "configs" / "tiny.yaml", ["trainer.logprob_token_budget=0"])
