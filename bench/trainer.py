@@ -1,6 +1,6 @@
 """Trainer benchmark: fastcov's trainer against TRL's ``GRPOTrainer`` on the same model, prompts and settings.
 
-    python -m bench.trainer                           # CPU: cases a, b, c (~8 minutes on 2 shared cores)
+    python -m bench.trainer                           # CPU: cases a, b, c (~8 minutes on 2 cores)
     python -m bench.trainer --cases a --steps 4       # one case, shorter
     python -m bench.trainer --preset gpu-1.5b         # CUDA: Qwen2.5-1.5B's decoder shape (bench/gpu_run.sh)
 
@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Presets: the model (a Qwen2 config on the demo's tokenizer), its warm start, and the RL run's size.
 PRESETS: dict[str, dict] = {
-    # the CPU run: 7.9 minutes from an empty --work on 2 cores at load ~3-4 (warm start 1.4 of them; 7.0 CPU minutes)
+    # the CPU run: 7 min 46 s from an empty --work on 2 cores at load 2-3 (warm start ~70 s; 7.0 CPU minutes)
     "cpu": dict(device="cpu", hidden=256, layers=4, heads=4, kv_heads=2, intermediate=768, sft_steps=150,
                 sft_lr=3e-3, prompts=16, n=8, max_new=32, long_new=128, mini_batches=8, lr=1e-4, steps=8,
                 warmup=1, threads=1, pool=32, logprob_budget=2048),
