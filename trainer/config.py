@@ -506,7 +506,8 @@ class TrainerConfig:
     micro_token_budget: int = 8192  # tokens per micro-batch and rank (prompt + response)
     # The same for step 4's no-grad pass over the whole rollout batch (the old log-probs; verl's
     # log_prob_max_token_len_per_gpu); None: micro_token_budget. On CPU smaller is faster, the activations
-    # staying in cache (python -m bench.logprob_profile: 1024-2048 beat 8192 by 1.3x at hidden 256).
+    # staying in cache (python -m bench.logprob_profile, hidden 256: 1024-2048 took 0.74-0.76x of 8192's
+    # time with both cores busy, 1024 0.91x on a quieter machine).
     logprob_token_budget: int | None = None
     # Concatenate several sequences per row (attention confined to each: a block-diagonal causal mask,
     # or flash-attn's position-id packing) instead of one padded sequence per row. Same log-probs; less
