@@ -60,12 +60,17 @@ def load_study(path: str | Path) -> dict:
         raise UserError(f"{p}: a study needs 'arms', a mapping of name -> list of KEY=VALUE overrides")
     for key in data:
         if key not in ("title", "base", "out", "setup", "task", "common", "arms", "notes", "seeds", "pass_k",
-                       "contrasts", "selection_contrasts", "target"):
+                       "contrasts", "selection_contrasts", "target", "headline"):
             raise UserError(f"{p}: unknown study key {key!r} (title, base, out, setup, task, common, arms, notes, "
-                            "seeds, pass_k, contrasts, selection_contrasts, target)")
+                            "seeds, pass_k, contrasts, selection_contrasts, target, headline)")
     target = data.get("target")
     if target is not None and (isinstance(target, bool) or not isinstance(target, (int, float)) or not target > 0):
         raise UserError(f"{p}: target must be a positive number (nats per response token), got {target!r}")
+    headline = data.get("headline")
+    if headline is not None and (target is None or not isinstance(headline, list) or not headline
+                                 or not all(a in data["arms"] for a in headline)):
+        raise UserError(f"{p}: headline is a list of arms (drawn beside the controller that held the target best) "
+                        f"and needs a target, got {headline!r}")
     seeds = data.get("seeds", [None])
     if not isinstance(seeds, list) or not seeds or not all(s is None or (isinstance(s, int) and s >= 0) for s in seeds):
         raise UserError(f"{p}: seeds must be a non-empty list of non-negative ints, got {seeds!r}")
@@ -294,8 +299,10 @@ def _seed_report(study, args, out: Path, base: str, arms, seeds, run_dirs, timin
     import json
 
     from fastcov.trainer.experiments.study_report import (
+        best_controller,
         plot_bands,
         plot_harder,
+        plot_headline,
         plot_selection,
         plot_target,
         run_numbers,
@@ -322,6 +329,16 @@ def _seed_report(study, args, out: Path, base: str, arms, seeds, run_dirs, timin
         held, summary["target_holding"] = target_holding(numbers, target)
         target_plot = plot_target(numbers, target, out / "entropy_target.png")
         picture = ["", f"![entropy against the target]({target_plot.name})"] if target_plot else []
+        best = best_controller(numbers, summary["target_holding"])
+        headline = [a for a in study.get("headline") or [] if a in numbers]
+        if headline and best is not None:
+            summary["best_controller"] = best
+            shown = headline + ([best] if best not in headline else [])
+            figure = plot_headline(numbers, target, shown, out / "entropy_headline.png",
+                                   f"Rollout entropy against the target {target:g}: " + ", ".join(shown)
+                                   + f"\n(line: mean over {len(seeds)} seeds, band: min-max)")
+            picture += ["", f"The controller whose mean |H − target| was lowest: **{best}**."] + (
+                ["", f"![{', '.join(shown)} against the target]({figure.name})"] if figure else [])
         lines = held + picture + [""] + lines
     pairs = _selection_pairs(study, arms, seeds, cfgs, run_dirs)
     if pairs:

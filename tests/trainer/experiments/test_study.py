@@ -232,8 +232,14 @@ def test_controllers_study_smoke_reports_how_each_arm_holds_the_target(tmp_path)
     text = (tmp_path / "report.md").read_text()
     assert "How each arm holds the target 0.25 nats/token" in text
     assert "| bonus_adaptive |" in text and "bonus_adaptive − grpo, mean abs(H − target)" in text
+    assert "; share within 10%: " in text
     assert "![entropy against the target](entropy_target.png)" in text and (tmp_path / "entropy_target.png").is_file()
+    # the headline figure: the study's headline arms that ran (grpo; kl_cov did not) and the best controller
+    assert "was lowest: **bonus_adaptive**" in text and (tmp_path / "entropy_headline.png").is_file()
+    assert "![grpo, bonus_adaptive against the target](entropy_headline.png)" in text
     summary = json.loads((tmp_path / "study.json").read_text())
+    assert summary["best_controller"] == "bonus_adaptive"
+    assert "share_within_10pct_gap" in summary["target_holding"]["arms"]["bonus_adaptive"]
     held = summary["target_holding"]
     assert held["target"] == 0.25 and set(held["arms"]) == {"grpo", "bonus_adaptive"}
     assert len(held["arms"]["grpo"]["first_step_within_10pct"]) == 2
