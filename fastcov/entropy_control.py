@@ -168,8 +168,9 @@ class EntropyController:
         rule: ``"step"``, ``"proportional"`` or ``"pi"``.
         delta: the step rule's change per update (>= 0; required by ``"step"``).
         gain: the proportional rule's gain (> 0; default 0.5).
-        kp, ki: the PI rule's gains, knob units per unit of relative error (>= 0; required by ``"pi"``; ki = 0 is
-            the proportional term alone, kept for comparison: it holds a steady-state error).
+        kp: the PI rule's proportional gain, knob units per unit of relative error (>= 0; required by ``"pi"``).
+        ki: the PI rule's integral gain, the same units (>= 0; required by ``"pi"``; 0 leaves the proportional
+            term alone, kept for comparison: it holds a steady-state error).
         integral_max: the PI rule's anti-windup bound on |Σ e| (> 0; default (max − min) / ki).
         min: lower bound of the value (default: the knob's range; the ratios' lower bound 1e-5).
         max: upper bound of the value (default: the knob's range).
