@@ -8,6 +8,9 @@ raised anywhere below as a ``UserError`` and printed here as one line on stderr,
 wrong and what to do``, exit status ``UserError.exit_code`` (2 by default). Anything else is a bug and
 keeps its traceback. ``--debug`` (anywhere on the command line) or ``FASTCOV_DEBUG=1`` re-raises user
 errors too, with their traceback. Exit codes are listed in docs/reliability.md.
+
+Flags and ``KEY=VALUE`` overrides may come in any order (argparse's intermixed parsing), and ``--version``
+prints the installed version. ``python -m fastcov`` is the same command.
 """
 
 from __future__ import annotations
@@ -31,6 +34,12 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 def debug_enabled() -> bool:
     return os.environ.get("FASTCOV_DEBUG", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def _version() -> str:
+    from fastcov import __version__
+
+    return __version__
 
 
 class _Parser(argparse.ArgumentParser):
@@ -69,8 +78,12 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, help_text) in SUBCOMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
+    parser.add_argument("--version", action="version", version=f"fastcov {_version()}")
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
+        return 0
+    if argv[0] == "--version":
+        print(f"fastcov {_version()}")
         return 0
     name = argv[0]
     prog = f"fastcov {name}" if name in SUBCOMMANDS else "fastcov"
@@ -86,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
         sub_parser = _Parser(prog=prog, description=help_text)
         module.add_arguments(sub_parser)
-        args = sub_parser.parse_args(argv[1:])
+        # flags anywhere among the positionals (`fastcov train CONFIG --overwrite trainer.max_steps=6`)
+        args = sub_parser.parse_intermixed_args(argv[1:])
         return int(module.run(args) or 0)
     except UserError as exc:
         if debug:

@@ -870,6 +870,22 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
+def _model_source_from_overrides(data: dict[str, Any], overrides: list[str]) -> None:
+    """An override ``model.path=...`` replaces the file's model source, in place: its ``model.arch`` goes, and so
+    does its ``model.tokenizer`` (the fresh model's, e.g. builtin:arith) unless an override sets one. Overrides
+    that set both ``model.path`` and ``model.arch`` stay an error."""
+    pairs = [item.split("=", 1) for item in overrides if "=" in item]
+    keys = {k.strip() for k, _ in pairs}
+    model = data.get("model")
+    if not isinstance(model, dict) or model.get("arch") is None or any(
+            k == "model.arch" or k.startswith("model.arch.") for k in keys):
+        return
+    if any(k.strip() == "model.path" and _parse_scalar(v) is not None for k, v in pairs):
+        del model["arch"]
+        if "model.tokenizer" not in keys:
+            model.pop("tokenizer", None)
+
+
 def _map_renamed_keys(data: dict[str, Any]) -> None:
     """algo.pos_weight_<key> -> algo.pos_weight.<key>, in place, with a one-line warning naming the new key;
     the old and the new key both set is an error."""
@@ -901,13 +917,16 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     """Read a YAML file (or start from defaults when ``path`` is None), apply overrides, validate."""
     import yaml
 
+    from fastcov.configs import resolve_config, shipped_names
+
     data: dict[str, Any] = {}
     if path is not None:
-        p = Path(path)
+        p = resolve_config(path)  # a file on disk, else the shipped config of that name
         if p.is_dir():
             raise ConfigError(f"config file {str(p)!r} is a directory; give a YAML file (see configs/)")
         if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist; give a YAML file (see configs/)")
+            raise ConfigError(f"config file {str(p)!r} does not exist; give a YAML file (see configs/) or a shipped "
+                              f"config's name: {', '.join(shipped_names())}")
         try:
             with open(p, encoding="utf-8") as f:
                 data = yaml.safe_load(f)
@@ -924,6 +943,7 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         if not isinstance(data, dict):
             raise ConfigError(f"config file {str(p)!r}: expected a mapping (key: value) at the top level, "
                               f"got {type(data).__name__}")
+    _model_source_from_overrides(data, list(overrides or []))
     apply_overrides(data, list(overrides or []))
     return config_from_dict(data)
 
