@@ -117,3 +117,31 @@ def test_a_file_with_both_is_still_refused(tmp_path):
     path.write_text(TINY.read_text().replace("model:\n", f"model:\n  path: {tmp_path}\n"))
     with pytest.raises(ValueError, match="set exactly one of model.path"):
         load_config(path)
+
+
+# ----------------------------------------------------------------------------------------------- eval --k
+
+@pytest.mark.parametrize("flags,sample_all", [
+    (["--k", "4"], True),  # was: greedy sources got one sample, and pass@4 / mean@4 were never reported
+    (["--k", "1"], False),  # avg@1: greedy where the papers are greedy
+    (["--k", "4", "--greedy-sources"], False),
+    (["--k", "1", "--sample-all"], True),
+])
+def test_eval_k_samples_every_prompt_k_times(tmp_path, monkeypatch, capsys, flags, sample_all):
+    from fastcov.trainer import evaluation
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    (tmp_path / "v.parquet").write_bytes(b"")
+    seen = {}
+
+    def fake_evaluate_model(model, data, **kw):
+        seen.update(kw)
+        return {"prompts": 1, "k": kw["k"], "val_acc": 0.5}
+
+    monkeypatch.setattr(evaluation, "evaluate_model", fake_evaluate_model)
+    assert main(["eval", "--model", str(tmp_path / "m"), "--data", str(tmp_path / "v.parquet"), *flags]) == 0
+    assert seen["sample_all"] is sample_all and seen["k"] == int(flags[1])
+    assert main(["eval", "--model", str(tmp_path / "m"), "--data", str(tmp_path / "v.parquet"), "--sample-all",
+                 "--greedy-sources"]) == 2
+    assert "--sample-all and --greedy-sources" in capsys.readouterr().err
