@@ -34,6 +34,10 @@ from fastcov.ops import LogprobEntropy, linear_logprob_entropy, logprob_entropy_
 from fastcov.schedules import PositiveWeightSchedule
 from fastcov.selection import select_random_in_band, select_top_covariance
 
+from fastcov.log import configure as _configure_logging
+
+_configure_logging()  # fastcov's own messages: the "fastcov" logger, rank 0, FASTCOV_LOG_LEVEL (fastcov/log.py)
+
 # The one place the version is written (pyproject.toml reads it); semantic versioning, CHANGELOG.md.
 __version__ = "0.4.0"
 

@@ -49,8 +49,13 @@ def run(args: argparse.Namespace) -> int:
 
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
         return 0
+    import logging
+
     from fastcov.trainer.runtime.errors import LostRankError, RolloutError
     from fastcov.trainer.train import train
+
+    if logging.getLogger("fastcov").getEffectiveLevel() > logging.INFO:
+        cfg.trainer.progress = False  # --quiet: no progress bar either
 
     try:
         train(cfg, resume=args.resume, overwrite=args.overwrite)

@@ -145,3 +145,34 @@ def test_eval_k_samples_every_prompt_k_times(tmp_path, monkeypatch, capsys, flag
     assert main(["eval", "--model", str(tmp_path / "m"), "--data", str(tmp_path / "v.parquet"), "--sample-all",
                  "--greedy-sources"]) == 2
     assert "--sample-all and --greedy-sources" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------- --quiet / --verbose
+
+@pytest.mark.parametrize("flag,shown", [("--quiet", ["w"]), ("--verbose", ["d", "i", "w"]), (None, ["i", "w"])])
+def test_quiet_and_verbose_anywhere(monkeypatch, capsys, flag, shown):
+    import logging
+
+    import fastcov.trainer.train as train_mod
+    from fastcov import log
+
+    monkeypatch.setenv(log.LEVEL_ENV, "INFO")
+    log.configure()
+    progress = []
+
+    def fake_train(cfg, resume=False, overwrite=False):
+        progress.append(cfg.trainer.progress)
+        for level, text in ((logging.DEBUG, "d"), (logging.INFO, "i"), (logging.WARNING, "w")):
+            logging.getLogger("fastcov.trainer.start").log(level, text)
+
+    monkeypatch.setattr(train_mod, "train", fake_train)
+    try:
+        assert main(["train", "tiny", "trainer.max_steps=1", *([flag] if flag else []), "trainer.progress=true"]) == 0
+    finally:
+        monkeypatch.undo()  # FASTCOV_LOG_LEVEL as it was (set_verbosity wrote it), then the logger's level from it
+        log.configure()
+    out, err = capsys.readouterr()
+    assert [ln.removeprefix("[fastcov] ") for ln in (out + err).splitlines()] == shown
+    assert progress == [flag != "--quiet"]  # --quiet hides the progress bar too
+    assert main(["--quiet", "--verbose", "plan", "--model", "qwen2.5-0.5b"]) == 2
+    assert "--quiet and --verbose contradict each other" in capsys.readouterr().err
