@@ -22,6 +22,7 @@ are never built.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import time
 import warnings
@@ -49,6 +50,8 @@ from fastcov.trainer.runtime.run_dir import save_is_due
 from fastcov.trainer.start import Run, StopFlag, start_run
 from fastcov.trainer.step_metrics import LOSS_METRICS, SELECTION_DIAGNOSTICS, UpdateStats, step_metrics, timed
 from fastcov.trainer.token_level.advantages import prime_keep
+
+logger = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------------------------------- steps 1-3
 
@@ -449,7 +452,7 @@ def _train(cfg: Config, resume, stop_at, on_end, closing: contextlib.ExitStack, 
             end_step(run, rec, col, tokens, t_step, stop_now)  # 8-9. evaluation, checkpoint, log
             if stop_now:
                 if run.rank == 0:
-                    print(f"[fastcov] stopped at step {run.step}; checkpoint saved", flush=True)
+                    logger.info(f"stopped at step {run.step}; checkpoint saved")
                 break
     if run.pbar is not None:
         run.pbar.close()  # before on_end and the export print; closing again is a no-op
