@@ -544,9 +544,15 @@ class TrainerConfig:
     offload_activations: bool = False
     keep_last: int = 2
     progress: bool = True
-    tensorboard: bool = False
-    wandb: bool = False
-    wandb_project: str = "fastcov"
+    # Where the metrics go besides metrics.jsonl (TRL's report_to, verl's trainer.logger), through accelerate's
+    # trackers: tensorboard (pip install 'fastcov[tensorboard]'; <run_dir>/tensorboard), wandb, mlflow, comet_ml,
+    # aim, clearml, dvclive, swanlab, trackio, or one a trainer.imports module registers
+    # (accelerate.tracking.register_tracker_class); "all": every installed one; [] or "none": none.
+    report_to: str | list[str] = field(default_factory=list)
+    project: str = "fastcov"  # the trackers' project (W&B project, MLflow experiment); runs are named by run_dir
+    # A Hub repo id (user/name): at the end of a run that reaches max_steps rank 0 uploads final/ there
+    # (huggingface_hub; token from HF_TOKEN or `hf auth login`), as `fastcov push RUN_DIR --repo ID` does.
+    push_to_hub: str | None = None
 
     def validate(self) -> None:
         """Range checks of this section's own fields; raises ConfigError naming the key."""
@@ -729,6 +735,33 @@ def _check_registered(cfg: Config) -> None:
             raise ConfigError(f"{key}: unknown {registry.kind} {value!r}{hint}; registered: {names}")
     _check(a.cov_score != "random_matched" or MODES.get(a.mode).selector is not None, "algo.cov_score",
            f"random_matched is a control of a token selection, and algo.mode={a.mode} selects none (clip_cov, kl_cov)")
+    _check_trackers(cfg.trainer.report_to)
+
+
+# trainer.report_to: accelerate's built-in trackers -> what installs each
+TRACKER_INSTALL = {"tensorboard": "pip install 'fastcov[tensorboard]'", "wandb": "pip install wandb",
+                   "mlflow": "pip install mlflow", "comet_ml": "pip install comet-ml", "aim": "pip install aim",
+                   "clearml": "pip install clearml", "dvclive": "pip install dvclive", "swanlab": "pip install swanlab",
+                   "trackio": "pip install trackio"}
+
+
+def _check_trackers(report_to: str | list[str]) -> None:
+    """Every trainer.report_to name a tracker accelerate knows (its own, or registered by trainer.imports), and
+    installed; after trainer.imports ran."""
+    names = [n for n in ([report_to] if isinstance(report_to, str) else report_to) if n not in ("none", "all")]
+    if not names:
+        return
+    try:
+        from accelerate.tracking import LOGGER_TYPE_TO_CLASS, get_available_trackers
+    except ImportError:
+        raise ConfigError("trainer.report_to: the trackers need accelerate: pip install 'fastcov[train]'") from None
+    installed = {str(t) for t in get_available_trackers()}
+    for name in names:
+        _check(name in LOGGER_TYPE_TO_CLASS, "trainer.report_to",
+               f"unknown tracker {name!r}; accelerate's: {', '.join(TRACKER_INSTALL)}, or one a trainer.imports "
+               "module registers (accelerate.tracking.register_tracker_class)")
+        _check(name not in TRACKER_INSTALL or name in installed, "trainer.report_to",
+               f"{name} is not installed: {TRACKER_INSTALL.get(name)}")
 
 
 # knob -> (the algo field whose value it replaces, the modes it acts in; None: any)
@@ -906,10 +939,35 @@ def _map_renamed_keys(data: dict[str, Any]) -> None:
         section[new] = algo.pop(old)
 
 
+def _map_tracker_keys(data: dict[str, Any]) -> None:
+    """trainer.tensorboard / trainer.wandb (booleans) -> names in trainer.report_to, trainer.wandb_project ->
+    trainer.project, in place, each with a one-line warning naming the new key."""
+    import warnings
+
+    t = data.get("trainer")
+    if not isinstance(t, dict):
+        return
+    for old in ("tensorboard", "wandb"):
+        if old in t:
+            value = t.pop(old)
+            _check(isinstance(value, bool), f"trainer.{old}", f"expected true/false, got {value!r}")
+            warnings.warn(f"trainer.{old} is deprecated: use trainer.report_to: [{old}]", FutureWarning, stacklevel=3)
+            if value:
+                names = t.get("report_to") or []
+                names = [names] if isinstance(names, str) else list(names)
+                t["report_to"] = names if old in names else names + [old]
+    if "wandb_project" in t:
+        if "project" in t:
+            raise ConfigError("trainer.wandb_project: renamed trainer.project, which is set too; keep only the new key")
+        warnings.warn("trainer.wandb_project is deprecated: use trainer.project", FutureWarning, stacklevel=3)
+        t["project"] = t.pop("wandb_project")
+
+
 def config_from_dict(data: dict[str, Any]) -> Config:
     if not isinstance(data, dict):
         raise ConfigError(f"config: expected a mapping at the top level, got {type(data).__name__}")
     _map_renamed_keys(data)
+    _map_tracker_keys(data)
     return validate(_build(Config, data, ""))
 
 
