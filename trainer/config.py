@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -573,6 +574,8 @@ class TrainerConfig:
         _check(t.save_every >= 0, "trainer.save_every", "must be >= 0")
         _check(t.save_every_minutes >= 0, "trainer.save_every_minutes", "must be >= 0 (0 = off)")
         _check(t.keep_last >= 1, "trainer.keep_last", "must be >= 1")
+        _check(t.push_to_hub is None or re.fullmatch(r"[\w.-]+(/[\w.-]+)?", t.push_to_hub) is not None,
+               "trainer.push_to_hub", f"must be a Hub repo id (namespace/name) or null, got {t.push_to_hub!r}")
 
 
 @dataclass
