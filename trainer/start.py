@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import random
 import signal
 import sys
@@ -50,6 +51,8 @@ from fastcov.trainer.runtime.run_dir import (
 from fastcov.trainer.runtime.run_log import open_run_files
 from fastcov.trainer.token_level.advantages import make_token_advantages
 
+logger = logging.getLogger(__name__)
+
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)
@@ -69,8 +72,8 @@ class StopFlag:
             if self.set:
                 raise KeyboardInterrupt
             self.set = True
-            print("\n[fastcov] Ctrl-C: finishing this step, saving a checkpoint, exiting "
-                  "(press again to abort without saving)", flush=True)
+            logger.info("\nCtrl-C: finishing this step, saving a checkpoint, exiting "
+                        "(press again to abort without saving)")
 
         try:
             self._old = signal.signal(signal.SIGINT, handler)
@@ -170,9 +173,9 @@ def start_run(cfg: Config, resume, overwrite: bool, closing: contextlib.ExitStac
     if rank == 0:
         run.logger = open_run_files(run.run_dir, cfg.to_dict(), t, run.step if resume_path is not None else None,
                                     closing)
-        print(f"[fastcov] run {run.run_dir}: {len(train_set)} train / {len(val_set)} val prompts "
-              f"({json.dumps(data_stats)}), world {world}, device {device}, zero {t.zero_stage}, "
-              f"mode {a.mode}", flush=True)
+        logger.info(f"run {run.run_dir}: {len(train_set)} train / {len(val_set)} val prompts "
+                    f"({json.dumps(data_stats)}), world {world}, device {device}, zero {t.zero_stage}, "
+                    f"mode {a.mode}")
         if t.progress:
             from tqdm.auto import tqdm
 
@@ -262,8 +265,7 @@ def build_policy(cfg: Config, device: torch.device, rank: int, world: int, token
     if engine.frozen_base and rank == 0:
         trainable, total = count_parameters(lm)
         base = " on a 4-bit base" if cfg.model.quantization == "4bit" else ""
-        print(f"[fastcov] LoRA rank {cfg.model.lora_rank}{base}: {trainable:,} of {total:,} parameters train",
-              flush=True)
+        logger.info(f"LoRA rank {cfg.model.lora_rank}{base}: {trainable:,} of {total:,} parameters train")
     return engine, token_adv
 
 
@@ -298,9 +300,9 @@ def _resume(run: Run, path: Path) -> None:
         except (OSError, RuntimeError, KeyError, ValueError) as exc:
             raise CheckpointError(f"--resume: PRIME's reward model: {one_line(exc)}") from None
     if run.rank == 0:
-        print(f"[fastcov] resumed from {path} at step {run.step}", flush=True)
+        logger.info(f"resumed from {path} at step {run.step}")
         trimmed = trim_metrics(metrics_path(run.run_dir), run.step)
         if trimmed["dropped"] or trimmed["torn"]:
-            print(f"[fastcov] metrics.jsonl: dropped {trimmed['dropped']} row(s) after step {run.step}"
-                  f"{' and a torn last line' if trimmed['torn'] else ''}", flush=True)
+            logger.info(f"metrics.jsonl: dropped {trimmed['dropped']} row(s) after step {run.step}"
+                        f"{' and a torn last line' if trimmed['torn'] else ''}")
 

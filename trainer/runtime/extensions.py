@@ -13,10 +13,12 @@ and every later load sleeps on it with no output, for ever. Two rules here:
 
 from __future__ import annotations
 
+import logging
 import os
-import sys
 import time
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 SHM_COMM_OP = "deepspeed_shm_comm"
 # a lock younger than this may be one whose creator is between its os.open and our look at /proc
@@ -97,7 +99,7 @@ def take_over_stale_locks(root: Path | None = None, now: float | None = None) ->
         except FileNotFoundError:
             continue
         age = now - stat.st_mtime
-        print(f"[fastcov] removed the stale build lock {lock} (left {age:.0f}s ago by a process that is gone, "
-              "e.g. a run killed during start-up)", file=sys.stderr, flush=True)
+        logger.warning(f"removed the stale build lock {lock} (left {age:.0f}s ago by a process that is gone, "
+                       "e.g. a run killed during start-up)")
         removed.append(lock)
     return removed

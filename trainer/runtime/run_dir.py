@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import logging
 import os
 import socket
 import time
@@ -30,6 +31,8 @@ from fastcov.trainer.runtime.checkpoint import (
     write_atomic,
 )
 from fastcov.trainer.runtime.distributed import all_max, broadcast_text
+
+logger = logging.getLogger(__name__)
 
 LOCK = ".lock"
 METRICS = "metrics.jsonl"
@@ -107,8 +110,7 @@ class RunDirLock:
                              "end (or stop it), or choose another trainer.run_dir") from None
         left = _holder(fd)
         if left:
-            print(f"[fastcov] trainer.run_dir: the lock left by {left}, a run that is gone, is taken over",
-                  flush=True)
+            logger.info(f"trainer.run_dir: the lock left by {left}, a run that is gone, is taken over")
         info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
                            "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode()
         os.ftruncate(fd, 0)
@@ -181,7 +183,7 @@ def check_run_dir(run_dir: Path, resume, overwrite: bool, rank: int) -> Path | N
             if rank == 0:
                 why = ("has no checkpoint yet (the run stopped before its first)" if _holds_a_run(run_dir)
                        else "holds no run yet (a first attempt stopped before it started)")
-                print(f"[fastcov] --resume: {str(run_dir)!r} {why}; it starts from step 0", flush=True)
+                logger.info(f"--resume: {str(run_dir)!r} {why}; it starts from step 0")
             return None
         if path is None:
             raise CheckpointError(f"--resume: no checkpoint under {str(ckpt_root)!r}")
@@ -207,7 +209,7 @@ def prepare_run_dir(run_dir: Path, overwrite: bool) -> Path | None:
     moved = None
     if overwrite and run_dir.is_dir() and any(p.name not in REGENERABLE for p in run_dir.iterdir()):
         moved = move_aside(run_dir)
-        print(f"[fastcov] --overwrite: the previous run in {run_dir} was moved to {moved}", flush=True)
+        logger.info(f"--overwrite: the previous run in {run_dir} was moved to {moved}")
     run_dir.mkdir(parents=True, exist_ok=True)
     return moved
 
