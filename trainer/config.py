@@ -177,9 +177,10 @@ class CodeRewardConfig:
 
     cpu_s: float = 2.0  # CPU seconds per test run
     wall_s: float = 6.0  # wall clock per test run, then SIGKILL
-    memory_mb: int = 512  # address space (RLIMIT_AS)
+    memory_mb: int = 512  # all the program's processes (a cgroup where one can be made), else address space each
     nproc: int = 8  # processes (RLIMIT_NPROC)
     max_output_kb: float = 1024.0  # stdout cap per run
+    disk_mb: float = 32.0  # all the program may write, forks included (its work dir is a tmpfs this size)
     # A SandboxFusion /run_code endpoint (e.g. http://host:8080/run_code): programs run there instead.
     sandbox_fusion_url: str | None = None
 
@@ -208,6 +209,7 @@ class RewardConfig:
         _check(c.memory_mb >= 32, "reward.code.memory_mb", f"must be >= 32, got {c.memory_mb}")
         _check(c.nproc >= 1, "reward.code.nproc", f"must be >= 1, got {c.nproc}")
         _check(c.max_output_kb > 0, "reward.code.max_output_kb", "must be > 0")
+        _check(c.disk_mb > 0, "reward.code.disk_mb", f"must be > 0, got {c.disk_mb}")
         _check(c.sandbox_fusion_url is None or c.sandbox_fusion_url.startswith(("http://", "https://")),
                "reward.code.sandbox_fusion_url", "must start with http:// or https://")
 
