@@ -926,8 +926,23 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         if not isinstance(data, dict):
             raise ConfigError(f"config file {str(p)!r}: expected a mapping (key: value) at the top level, "
                               f"got {type(data).__name__}")
+        _check_file_sections(data, Config, "", str(p))
     apply_overrides(data, list(overrides or []))
     return config_from_dict(data)
+
+
+def _check_file_sections(data: dict[str, Any], cls: type, prefix: str, path: str) -> None:
+    """A section of the config file that holds a value instead of keys (``trainer: 5``), named against the file:
+    an override into it (``trainer.run_dir=...``) would otherwise report the file's mistake as its own."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        value, tp = data.get(f.name), hints[f.name]
+        if value is None or not (isinstance(tp, type) and dataclasses.is_dataclass(tp)):
+            continue
+        if not isinstance(value, dict):
+            raise ConfigError(f"config file {path!r}: {prefix}{f.name}: expected a section (key: value lines), "
+                              f"got {value!r}")
+        _check_file_sections(value, tp, f"{prefix}{f.name}.", path)
 
 
 def save_config(cfg: Config, path: str | Path) -> None:
