@@ -31,6 +31,7 @@ from fastcov.trainer.evaluation import evaluate
 from fastcov.trainer.rewards import REWARD_TASKS, RewardTask
 from fastcov.trainer.rollout import make_rollout_engine
 from fastcov.trainer.rollout.base import RolloutEngine
+from fastcov.trainer.rollout.vllm_api import check_vllm_version
 from fastcov.trainer.runtime.checkpoint import CheckpointError, fsync_path, load_checkpoint
 from fastcov.trainer.runtime.dependencies import check_optional_packages
 from fastcov.trainer.runtime.distributed import init_distributed, pick_device
@@ -221,7 +222,7 @@ def _checked_setup(cfg: Config, resume, overwrite: bool, device, rank: int, worl
     run_dir = Path(t.run_dir)
     resume_path = check_run_dir(run_dir, resume, overwrite, rank)
     check_model_source(cfg.model)
-    check_optional_packages(cfg)
+    check_optional_packages(cfg, {"vllm": check_vllm_version})
     try:
         use_liger(cfg.model.liger, device)
     except ValueError as exc:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+from collections.abc import Callable
 
 from fastcov.errors import MissingPackage
 
@@ -34,19 +35,20 @@ def needed_packages(cfg) -> list[tuple[str, str, str]]:
     return need
 
 
-def check_optional_packages(cfg) -> None:
+def check_optional_packages(cfg, version_checks: dict[str, Callable[[str], object]] | None = None) -> None:
     """Raise ``MissingPackage`` (a one-line user error, exit 2) for the first optional package ``cfg`` needs that
-    is not installed, or for an installed vLLM outside the supported range."""
+    is not installed. ``version_checks``: import name -> a check of the installed version (pip's metadata) that
+    raises RuntimeError naming the supported range (the rollout room's ``check_vllm_version`` for vLLM)."""
     for setting, module, extra in needed_packages(cfg):
         if not _installed(module):
             raise MissingPackage(f"{setting} needs the package {module!r}, which is not installed: "
                                  f"pip install 'fastcov[{extra}]'")
-        if module == "vllm":
-            from fastcov.trainer.rollout.vllm_api import check_vllm_version
-
-            try:
-                check_vllm_version(importlib.metadata.version("vllm"))
-            except importlib.metadata.PackageNotFoundError:
-                pass  # importable but not pip-installed (a source tree): its __version__ is checked at import
-            except RuntimeError as exc:
-                raise MissingPackage(str(exc)) from None
+        check = (version_checks or {}).get(module)
+        if check is None:
+            continue
+        try:
+            check(importlib.metadata.version(module))
+        except importlib.metadata.PackageNotFoundError:
+            pass  # importable but not pip-installed (a source tree): its __version__ is checked at import
+        except RuntimeError as exc:
+            raise MissingPackage(str(exc)) from None

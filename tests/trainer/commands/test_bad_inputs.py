@@ -416,3 +416,19 @@ def test_internal_bugs_keep_their_traceback(monkeypatch):
     monkeypatch.setattr(plan, "run", broken)
     with pytest.raises(KeyError):
         main(["plan", "--model", "qwen2.5-7b", "--gpus", "1", "--tokens-per-gpu", "8"])
+
+
+def test_an_unsupported_vllm_is_one_line_before_anything_is_written(tmp_path, capsys, monkeypatch):
+    """An installed vLLM outside the supported range stops the run at its checks (pip's metadata, no import)."""
+    import importlib.metadata
+
+    from fastcov.cli import main
+    from fastcov.trainer.runtime import dependencies
+
+    monkeypatch.setattr(dependencies, "_installed", lambda module: True)
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.40.0" if name == "vllm" else "1")
+    before = snapshot(tmp_path)
+    assert main(["train", str(TINY), "rollout.engine=vllm", f"trainer.run_dir={tmp_path / 'run'}"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "vLLM 0.40.0 is installed, fastcov supports vllm>=0.26,<0.34" in lines[0], lines
+    assert snapshot(tmp_path) == before
