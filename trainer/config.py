@@ -178,9 +178,10 @@ class CodeRewardConfig:
 
     cpu_s: float = 2.0  # CPU seconds per test run
     wall_s: float = 6.0  # wall clock per test run, then SIGKILL
-    memory_mb: int = 512  # address space (RLIMIT_AS)
+    memory_mb: int = 512  # all the program's processes (a cgroup where one can be made), else address space each
     nproc: int = 8  # processes (RLIMIT_NPROC)
     max_output_kb: float = 1024.0  # stdout cap per run
+    disk_mb: float = 32.0  # all the program may write, forks included (its work dir is a tmpfs this size)
     # A SandboxFusion /run_code endpoint (e.g. http://host:8080/run_code): programs run there instead.
     sandbox_fusion_url: str | None = None
 
@@ -209,6 +210,7 @@ class RewardConfig:
         _check(c.memory_mb >= 32, "reward.code.memory_mb", f"must be >= 32, got {c.memory_mb}")
         _check(c.nproc >= 1, "reward.code.nproc", f"must be >= 1, got {c.nproc}")
         _check(c.max_output_kb > 0, "reward.code.max_output_kb", "must be > 0")
+        _check(c.disk_mb > 0, "reward.code.disk_mb", f"must be > 0, got {c.disk_mb}")
         _check(c.sandbox_fusion_url is None or c.sandbox_fusion_url.startswith(("http://", "https://")),
                "reward.code.sandbox_fusion_url", "must start with http:// or https://")
 
@@ -1004,9 +1006,24 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         if not isinstance(data, dict):
             raise ConfigError(f"config file {str(p)!r}: expected a mapping (key: value) at the top level, "
                               f"got {type(data).__name__}")
+        _check_file_sections(data, Config, "", str(p))
     _model_source_from_overrides(data, list(overrides or []))
     apply_overrides(data, list(overrides or []))
     return config_from_dict(data)
+
+
+def _check_file_sections(data: dict[str, Any], cls: type, prefix: str, path: str) -> None:
+    """A section of the config file that holds a value instead of keys (``trainer: 5``), named against the file:
+    an override into it (``trainer.run_dir=...``) would otherwise report the file's mistake as its own."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        value, tp = data.get(f.name), hints[f.name]
+        if value is None or not (isinstance(tp, type) and dataclasses.is_dataclass(tp)):
+            continue
+        if not isinstance(value, dict):
+            raise ConfigError(f"config file {path!r}: {prefix}{f.name}: expected a section (key: value lines), "
+                              f"got {value!r}")
+        _check_file_sections(value, tp, f"{prefix}{f.name}.", path)
 
 
 def save_config(cfg: Config, path: str | Path) -> None:

@@ -32,7 +32,9 @@ from fastcov.trainer.evaluation import evaluate
 from fastcov.trainer.rewards import REWARD_TASKS, RewardTask
 from fastcov.trainer.rollout import make_rollout_engine
 from fastcov.trainer.rollout.base import RolloutEngine
+from fastcov.trainer.rollout.vllm_api import check_vllm_version
 from fastcov.trainer.runtime.checkpoint import CheckpointError, fsync_path, load_checkpoint
+from fastcov.trainer.runtime.dependencies import check_optional_packages
 from fastcov.trainer.runtime.distributed import init_distributed, pick_device
 from fastcov.trainer.runtime.errors import user_error
 from fastcov.trainer.runtime.lora import count_parameters
@@ -156,7 +158,7 @@ class Run:
 def start_run(cfg: Config, resume, overwrite: bool, closing: contextlib.ExitStack) -> Run:
     """Checks, data, policy, rollout engine, rewards, RNG, a resumed state, the metrics log, a progress bar."""
     t, a = cfg.trainer, cfg.algo
-    device, rank, world, resume_path, tokenizer, train_set, val_set, data_stats = _check_and_prepare(
+    device, rank, world, resume_path, tokenizer, train_set, val_set, data_stats, lock = _check_and_prepare(
         cfg, resume, overwrite, closing)
     engine, token_adv = build_policy(cfg, device, rank, world, tokenizer)
     rollout, reward_fn = build_rollout(cfg, engine, device, rank, world, tokenizer, closing)
@@ -183,6 +185,8 @@ def start_run(cfg: Config, resume, overwrite: bool, closing: contextlib.ExitStac
             run.pbar = tqdm(total=t.max_steps, initial=run.step, desc=f"train {a.mode}", dynamic_ncols=True,
                             mininterval=0.1 if sys.stderr.isatty() else 30.0)
             closing.callback(run.pbar.close)
+    if lock is not None:
+        lock.started = True  # from here a failure keeps what the run made (checkpoints, metrics, data/)
     return run
 
 
@@ -190,7 +194,8 @@ def start_run(cfg: Config, resume, overwrite: bool, closing: contextlib.ExitStac
 def _check_and_prepare(cfg: Config, resume, overwrite: bool, closing: contextlib.ExitStack):
     """Setup up to the first write. Everything a user can get wrong is checked before it: nothing on disk
     changes when a run stops with a user error (bad run dir, --resume target, model path, data file).
-    Returns (device, rank, world, resume_path, tokenizer, train_set, val_set, data_stats)."""
+    Returns (device, rank, world, resume_path, tokenizer, train_set, val_set, data_stats, the run dir's lock on
+    rank 0 or None): until the run marks the lock started, a failure abandons the directory (RunDirLock.close)."""
     t = cfg.trainer
     try:
         device = pick_device(t.device)
@@ -213,8 +218,8 @@ def _check_and_prepare(cfg: Config, resume, overwrite: bool, closing: contextlib
             lock.abandon()  # a user error leaves the disk as it was
         raise
     if lock is not None:
-        closing.callback(lock.release)
-    return setup
+        closing.push(lock.close)
+    return (*setup, lock)
 
 
 def _checked_setup(cfg: Config, resume, overwrite: bool, device, rank: int, world: int, lock):
@@ -222,6 +227,7 @@ def _checked_setup(cfg: Config, resume, overwrite: bool, device, rank: int, worl
     run_dir = Path(t.run_dir)
     resume_path = check_run_dir(run_dir, resume, overwrite, rank)
     check_model_source(cfg.model)
+    check_optional_packages(cfg, {"vllm": check_vllm_version})
     try:
         use_liger(cfg.model.liger, device)
     except ValueError as exc:

@@ -152,8 +152,13 @@ def _construct(mcfg, dtype: torch.dtype, attn: str, tokenizer) -> nn.Module:
     if mcfg.path is not None:
         try:
             model = AutoModelForCausalLM.from_pretrained(mcfg.path, dtype=dtype, attn_implementation=attn)
-        except OSError as exc:
-            raise ValueError(f"model.path: cannot load {mcfg.path!r}: {exc}") from exc
+        except Exception as exc:
+            from fastcov.trainer.runtime.errors import unreadable_model
+
+            bad = unreadable_model(mcfg.path, exc)
+            if bad is None:
+                raise
+            raise bad from exc
     else:
         arch: dict[str, Any] = dict(mcfg.arch)
         model_type = arch.pop("model_type")

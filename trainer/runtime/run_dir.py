@@ -16,6 +16,7 @@ import fcntl
 import json
 import logging
 import os
+import shutil
 import socket
 import time
 from pathlib import Path
@@ -83,8 +84,12 @@ class RunDirLock:
     before the run writes anything until it ends. The file names the holder (pid, host, start); the kernel
     drops the lock when the holder dies, so a lock left by a killed run is taken over, and said so once."""
 
-    def __init__(self, run_dir: Path, fd: int, created: tuple[bool, bool]):
+    def __init__(self, run_dir: Path, fd: int, created: tuple[bool, bool], previous: bytes = b"",
+                 made_data: bool = True):
         self.run_dir, self.fd, self.created = Path(run_dir), fd, created  # (the directory, the lock file)
+        self.previous = previous  # what the lock file said before this run took it (a dead holder's details)
+        self.made_data = made_data  # data/ was not there: whatever is there after a failed start-up is this run's
+        self.started = False  # set once the run's start-up is done: a failure after it keeps what the run made
 
     @classmethod
     def acquire(cls, run_dir: str | Path) -> RunDirLock:
@@ -111,19 +116,25 @@ class RunDirLock:
         left = _holder(fd)
         if left:
             logger.info(f"trainer.run_dir: the lock left by {left}, a run that is gone, is taken over")
+        previous = os.pread(fd, 4096, 0)
+        made_data = not (run_dir / DATA).exists() and not staging_dir(run_dir / DATA).exists()
         info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
                            "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode()
         os.ftruncate(fd, 0)
         os.pwrite(fd, info + b"\n", 0)
         os.fsync(fd)
-        return cls(run_dir, fd, created)
+        return cls(run_dir, fd, created, previous, made_data)
 
-    def release(self) -> None:
-        """Let go, leaving the file empty (a later run then has nothing to take over)."""
+    def release(self, restore: bool = False) -> None:
+        """Let go, leaving the file empty (a later run then has nothing to take over); with ``restore``, as it was
+        before this run took it (a refused start-up leaves a dead holder's details in place)."""
         if self.fd < 0:
             return
         try:
             os.ftruncate(self.fd, 0)
+            if restore and self.previous:
+                os.pwrite(self.fd, self.previous, 0)
+                os.fsync(self.fd)
         except OSError:
             pass
         fcntl.flock(self.fd, fcntl.LOCK_UN)
@@ -131,9 +142,14 @@ class RunDirLock:
         self.fd = -1
 
     def abandon(self) -> None:
-        """Release after a user error, removing what taking the lock created: the run leaves no trace."""
-        self.release()
+        """Release after a start-up that failed, undoing what it made: the synthetic task it wrote under data/,
+        the lock file and the run directory it created; a lock file that was there says what it said before.
+        The run leaves no trace for the next one to trip on."""
+        self.release(restore=True)
         made_dir, made_file = self.created
+        if self.made_data:
+            for folder in (self.run_dir / DATA, staging_dir(self.run_dir / DATA)):
+                shutil.rmtree(folder, ignore_errors=True)
         try:
             if made_file:
                 (self.run_dir / LOCK).unlink()
@@ -142,12 +158,22 @@ class RunDirLock:
         except OSError:
             pass
 
+    def close(self, exc_type, exc, tb) -> bool:
+        """An exit callback for the run's ``contextlib.ExitStack``: a failure before ``started`` abandons the
+        directory (``abandon``), anything else releases it. Never swallows the exception."""
+        if exc_type is not None and not self.started:
+            self.abandon()
+        else:
+            self.release()
+        return False
+
     def move_to(self, run_dir: Path) -> None:
         """Hold ``run_dir``'s lock instead (where the run now lives, after --overwrite moved the old one aside
         with its lock file): the same object, so whoever releases or abandons it acts on the new one."""
         new = RunDirLock.acquire(run_dir)
-        self.release()
+        self.release(restore=True)  # the old run keeps its lock file as it was
         self.run_dir, self.fd, self.created = new.run_dir, new.fd, new.created
+        self.previous, self.made_data = new.previous, new.made_data
 
 
 def _holder(fd: int) -> str:
