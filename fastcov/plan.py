@@ -349,7 +349,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="plan a trainer config (a recipe) as it would run: its model, ZeRO stage, offload, "
                              "token budget and rollout engine (then --gpus defaults to 8)")
     parser.add_argument("--model",
-                        help=f"a preset ({', '.join(QWEN25)}) or the path of a Hugging Face config.json")
+                        help=f"a preset ({', '.join(QWEN25)}), the path of a Hugging Face config.json or a .gguf file")
     parser.add_argument("--gpus", type=int, help="data-parallel GPUs sharing the ZeRO state")
     parser.add_argument("--tokens-per-gpu", type=int, help="tokens in one micro-batch per GPU")
     parser.add_argument("--zero", type=int, default=3, choices=(0, 1, 2, 3), help="ZeRO stage (default 3)")
@@ -374,6 +374,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def load_model_shape(spec: str) -> ModelShape:
     if spec.lower() in QWEN25:
         return QWEN25[spec.lower()]
+    if (gguf := _gguf_in(spec)) is not None:
+        return gguf_model_shape(gguf, name=spec)
     if spec.endswith(".json") or "/" in spec:
         path = spec if spec.endswith(".json") else f"{spec.rstrip('/')}/config.json"
         try:
@@ -392,6 +394,55 @@ def load_model_shape(spec: str) -> ModelShape:
         except (TypeError, ValueError) as exc:
             raise ValueError(f"--model: {path!r}: {exc}") from None
     raise ValueError(f"--model: unknown preset {spec!r}; presets are {', '.join(QWEN25)} or a config.json path")
+
+
+def _gguf_in(spec: str) -> str | None:
+    """The GGUF file ``spec`` names: itself (``*.gguf``), or the one in a directory without config.json."""
+    import os
+
+    if spec.lower().endswith(".gguf"):
+        return spec
+    if os.path.isdir(spec) and not os.path.isfile(os.path.join(spec, "config.json")):
+        found = sorted(f for f in os.listdir(spec) if f.lower().endswith(".gguf"))
+        if len(found) == 1:
+            return os.path.join(spec, found[0])
+    return None
+
+
+def gguf_model_shape(path: str, name: str = "gguf") -> ModelShape:
+    """The shape of the model in a GGUF file, from its header (llama.cpp's ``<arch>.embedding_length``, ...;
+    the tensors are not read). Needs the ``gguf`` package (``fastcov[gguf]``)."""
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        raise ValueError(f"--model: {path!r} is a GGUF file, and reading one needs the gguf package: "
+                         "pip install 'fastcov[gguf]'") from None
+    try:
+        reader = GGUFReader(path)
+    except FileNotFoundError:
+        raise ValueError(f"--model: no such GGUF file {path!r}") from None
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--model: {path!r} is not a readable GGUF file ({exc})") from None
+
+    def value(key: str):
+        field = reader.fields.get(key)
+        if field is None:
+            raise ValueError(f"--model: {path!r} has no {key!r} in its header")
+        part = field.parts[field.data[0]]
+        return bytes(part).decode("utf-8") if key == "general.architecture" else part.tolist()[0]
+
+    arch = value("general.architecture")
+    heads = int(value(f"{arch}.attention.head_count"))
+    try:
+        kv_heads = int(value(f"{arch}.attention.head_count_kv"))
+    except ValueError:
+        kv_heads = heads
+    tensors = {t.name for t in reader.tensors}
+    return ModelShape(name=name, hidden_size=int(value(f"{arch}.embedding_length")),
+                      intermediate_size=int(value(f"{arch}.feed_forward_length")),
+                      num_layers=int(value(f"{arch}.block_count")), num_heads=heads, num_kv_heads=kv_heads,
+                      vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data),
+                      tie_embeddings="output.weight" not in tensors, qkv_bias="blk.0.attn_q.bias" in tensors)
 
 
 def _check_args(args: argparse.Namespace) -> None:
