@@ -73,10 +73,12 @@ CASE_NAMES = {"a": "similar-length", "b": "one-long", "c": "kl-cov", "d": "smoll
 # (trainer/data/chat_arith.py) in ``<work>/<case name>/data``; ``sizes`` replace the preset's (for both trainers
 # alike); ``config`` overrides go to fastcov's run. Every other setting is the preset's, as in the other cases.
 MODEL_CASES: dict[str, dict] = {
-    # 4 prompts x 8 rollouts, 48 new tokens, 2 optimizer steps per batch: what 2 CPU cores train in minutes
-    "d": dict(model="smollm2", level="d1o1", config=["data.max_prompt_len=256"],
-              sizes=dict(prompts=4, n=8, max_new=48, long_new=48, mini_batches=2, lr=3e-5, steps=2, warmup=1,
-                         pool=8, eval_prompts=16, logprob_budget=2048)),
+    # configs/smollm2.yaml's size and task level (make demo-real picked d2o1: the start model's pass@8 0.625):
+    # 4 prompts x 8 rollouts, 32 new tokens, 2 optimizer steps per batch, lr 5e-5; 1 + 2 rollout batches, the pool
+    # of 4 prompts and 8 held-out ones evaluated (135M parameters: ~1 CPU-minute per batch, 64 answers per minute)
+    "d": dict(model="smollm2", level="d2o1", config=["data.max_prompt_len=256"],
+              sizes=dict(prompts=4, n=8, max_new=32, long_new=32, mini_batches=2, lr=5e-5, steps=2, warmup=1,
+                         pool=4, pool_k=8, eval_prompts=8, logprob_budget=2048)),
 }
 KL_COV = dict(ratio=0.5, coef=1.0)  # configs/demo.yaml's KL-Cov
 
@@ -121,7 +123,7 @@ def prepare_model_case(work: Path, case: str) -> tuple[Path, Path]:
 
     spec = MODEL_CASES[case]
     root = work / CASE_NAMES[case]
-    data = root / "data"
+    data = root / f"data-{spec['level']}"
     if not (data / "train.parquet").is_file():
         data.mkdir(parents=True, exist_ok=True)
         write_task(str(data / "train.parquet"), str(data / "val.parquet"), 512, 64, Level.parse(spec["level"]))
@@ -179,15 +181,16 @@ def evaluate_both(model: Path, data: Path, p: dict) -> dict:
     """``{"held_out": ..., "pool": ...}``: ``evaluate`` on val.parquet and on the training pool."""
     out = {"held_out": evaluate(model, data / "val.parquet", p)}
     if p.get("pool"):
-        out["pool"] = evaluate(model, train_pool(data, p), p, prompts=p["pool"], k=POOL_K)
+        out["pool"] = evaluate(model, train_pool(data, p), p, prompts=p["pool"], k=p.get("pool_k", POOL_K))
     return out
 
 
 def eval_start(sft_model: Path, data: Path, p: dict) -> dict:
     """``evaluate_both`` of the warm start, cached next to it (every trainer and case starts from it)."""
     path = sft_model.parent / "eval.json"
-    key = json.dumps({**EVAL, "max_new": p["max_new"], "prompts": p.get("eval_prompts", EVAL["prompts"]),
-                      "pool": p.get("pool", 0), "pool_k": POOL_K}, sort_keys=True)
+    key = json.dumps({**EVAL, "data": str(data), "max_new": p["max_new"],
+                      "prompts": p.get("eval_prompts", EVAL["prompts"]), "pool": p.get("pool", 0),
+                      "pool_k": p.get("pool_k", POOL_K)}, sort_keys=True)
     if path.is_file():
         got = json.loads(path.read_text())
         if got.get("key") == key:
@@ -522,7 +525,8 @@ def summarize(trainer: str, case: str, res: dict, p: dict, spec: dict) -> dict:
         "eval_before": (spec.get("eval_before") or {}).get("held_out"),
         "eval_after": (res.get("eval_after") or {}).get("held_out"),
         "pool_before": (spec.get("eval_before") or {}).get("pool"),
-        "pool_after": (res.get("eval_after") or {}).get("pool"), "pool": p.get("pool", 0), "pool_k": POOL_K,
+        "pool_after": (res.get("eval_after") or {}).get("pool"), "pool": p.get("pool", 0),
+        "pool_k": p.get("pool_k", POOL_K),
         "eval_settings": {**EVAL, "prompts": p.get("eval_prompts", EVAL["prompts"]), "max_new_tokens": p["max_new"],
                           "data": "val.parquet (its first prompts)"},
         "rollout_batches": len(steps), "warmup_batches": p["warmup"], "optimizer_steps_per_batch": S,

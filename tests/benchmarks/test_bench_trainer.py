@@ -124,7 +124,7 @@ def test_model_case_runs_a_gguf_model_on_its_own_task(tmp_path, monkeypatch):
     from _gguf import tiny_hf_model, write_gguf
 
     write_gguf(tiny_hf_model("llama", tied=True), tmp_path / "tiny.gguf")
-    case = dict(B.MODEL_CASES["d"], model=str(tmp_path / "tiny.gguf"),
+    case = dict(B.MODEL_CASES["d"], model=str(tmp_path / "tiny.gguf"), level="d1o1",
                 sizes=dict(prompts=2, n=4, max_new=6, long_new=6, mini_batches=2, lr=1e-4, steps=1, warmup=1,
                            pool=4, eval_prompts=4))
     monkeypatch.setitem(B.MODEL_CASES, "d", case)
@@ -139,4 +139,4 @@ def test_model_case_runs_a_gguf_model_on_its_own_task(tmp_path, monkeypatch):
         assert r["task"] == "chat_arith d1o1" and r["rollout_batches"] == 2 and r["max_new_tokens"] == 6
         assert r["eval_before"]["prompts"] == 4 and r["pool_before"]["prompts"] == 4
         assert math.isfinite(r["step_s"]) and r["step_s"] > 0
-    assert (model / "gguf-source.json").is_file() and (tmp_path / "work" / "smollm2" / "data" / "val.parquet").is_file()
+    assert (model / "gguf-source.json").is_file() and (tmp_path / "work" / "smollm2" / "data-d1o1" / "val.parquet").is_file()

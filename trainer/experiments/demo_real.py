@@ -24,6 +24,7 @@ import importlib.util
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -125,6 +126,18 @@ def pick_level(scan: dict) -> str | None:
     return min(inside)[2] if inside else None
 
 
+def _evaluate_ends(finals: dict[str, Path], data_file: Path, max_new: int, threads: int, jobs: int) -> dict:
+    """``sample_eval`` of each run's final model, ``jobs`` processes at once."""
+    if jobs <= 1:
+        return {a: sample_eval(f, data_file, max_new, threads=threads) for a, f in finals.items()}
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(max_workers=min(jobs, len(finals)), mp_context=mp.get_context("spawn")) as pool:
+        futures = {a: pool.submit(sample_eval, f, data_file, max_new, 0, threads) for a, f in finals.items()}
+        return {a: fut.result() for a, fut in futures.items()}
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m fastcov.trainer.demo_real",
                                  description=__doc__.splitlines()[0])
@@ -138,7 +151,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="the levels the scan measures, easiest first (default %(default)s)")
     ap.add_argument("--scan-prompts", type=int, default=8, help="prompts per level in the scan (default %(default)s)")
     ap.add_argument("--n-train", type=int, default=512)
-    ap.add_argument("--n-val", type=int, default=16, help="validation prompts, evaluated before and after")
+    ap.add_argument("--n-val", type=int, default=8, help="validation prompts, evaluated before and after")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads per run (trainer.threads)")
     ap.add_argument("--jobs", type=int, default=0, help="runs trained at once (default 0: all of them)")
     ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="applied to every run")
@@ -206,16 +219,23 @@ def _run(ap: argparse.ArgumentParser, args) -> int:
             f"data.val_files=[{data / 'val.parquet'}]", f"algo.mode={ALGOS[algo]}", f"trainer.run_dir={out / algo}",
             f"trainer.threads={args.threads}", *args.overrides])
     jobs = args.jobs if args.jobs > 0 else len(algos)
-    done, timings = train_runs([(a, None) for a in algos], cfgs, False, jobs, train, tag="demo-real")
+    # the start model's evaluation runs in this process while the runs train in theirs; the runs' ends after,
+    # one process each (the same numbers as one after the other: each samples with its own seeded generator)
     t0 = time.perf_counter()
-    start_eval = sample_eval(model, data / "val.parquet", max_new, threads=max(1, args.threads))
-    ends = {}
+    start_box: dict = {}
+    starter = threading.Thread(target=lambda: start_box.update(
+        sample_eval(model, data / "val.parquet", max_new, threads=max(1, args.threads))))
+    starter.start()
+    done, timings = train_runs([(a, None) for a in algos], cfgs, False, jobs, train, tag="demo-real")
+    starter.join()
+    start_eval = dict(start_box)
+    t1 = time.perf_counter()
+    ends = _evaluate_ends({a: Path(done[(a, None)]) / "final" for a in algos}, data / "val.parquet", max_new,
+                          max(1, args.threads), jobs)
     for algo in algos:
-        ends[algo] = sample_eval(Path(done[(algo, None)]) / "final", data / "val.parquet", max_new,
-                                 threads=max(1, args.threads))
         (Path(done[(algo, None)]) / "task_eval.json").write_text(
             json.dumps({"start": start_eval, "end": ends[algo]}, indent=1) + "\n")
-    eval_s = time.perf_counter() - t0
+    eval_s = start_eval["seconds"] + time.perf_counter() - t1
     from fastcov.trainer.experiments.real_report import write_real_report
 
     facts = {"model": str(source), "level": chosen.name, "level_given": bool(args.level), "scan": scan,
