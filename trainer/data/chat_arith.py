@@ -110,8 +110,9 @@ def sample_problem(rng: random.Random, level: Level) -> Problem:
     return Problem(tuple(operands), tuple(signs))
 
 
-def generate(n: int, seed: int, level: Level, exclude: set[str] | None = None) -> list[Problem]:
-    """``n`` distinct problems of ``level`` (by expression), none in ``exclude``; ValueError if fewer exist."""
+def generate(n: int, seed: int, level: Level, exclude: set[str] | None = None, fewer_ok: bool = False) -> list[Problem]:
+    """``n`` distinct problems of ``level`` (by expression), none in ``exclude``; if fewer exist (d1o1 has 126),
+    ValueError, or with ``fewer_ok`` as many as a long search finds."""
     rng = random.Random(f"{seed}:{level.name}")
     seen = set(exclude or ())
     out: list[Problem] = []
@@ -119,6 +120,8 @@ def generate(n: int, seed: int, level: Level, exclude: set[str] | None = None) -
     while len(out) < n:
         attempts += 1
         if attempts > 50 * n + 1000:
+            if fewer_ok:
+                break
             raise ValueError(f"n: only {len(out)} distinct {level.name} problems exist, asked {n}")
         p = sample_problem(rng, level)
         if p.expression in seen:
@@ -133,9 +136,11 @@ def to_rows(problems: list[Problem], level: Level, split: str, shots: int = 1, s
     from problems that are none of ``problems``."""
     examples: list[Problem | None] = [None] * len(problems)
     if shots:
-        pool = generate(64, seed + 7, level, exclude={p.expression for p in problems})
+        # a small level may have no problem left over: then any other problem of the level than the question
+        pool = (generate(64, seed + 7, level, exclude={p.expression for p in problems}, fewer_ok=True)
+                or generate(64, seed + 7, level, fewer_ok=True))
         rng = random.Random(f"{seed}:shots:{level.name}")
-        examples = [rng.choice(pool) for _ in problems]
+        examples = [rng.choice([e for e in pool if e.expression != p.expression]) for p in problems]
     return [{"data_source": f"{DATA_SOURCE}_{level.name}",
              "prompt": messages(p, ex),
              "ability": "math",
@@ -153,11 +158,12 @@ def write_parquet(path: str, problems: list[Problem], level: Level, split: str, 
 def write_task(train_path: str | None, val_path: str, n_train: int, n_val: int, level: Level, seed: int = 0,
                shots: int = 1) -> None:
     """Disjoint train / validation parquet files of ``level`` (validation drawn first, with ``seed + 1``), each
-    prompt with ``shots`` (0 or 1) worked examples; no training file when ``train_path`` is None."""
+    prompt with ``shots`` (0 or 1) worked examples; no training file when ``train_path`` is None. A level with
+    fewer than ``n_train`` other problems trains on all of them."""
     if shots not in (0, 1):
         raise ValueError(f"shots: must be 0 or 1, got {shots!r}")
     val = generate(n_val, seed + 1, level)
     write_parquet(val_path, val, level, "test", shots, seed + 1)
     if train_path is not None:
-        write_parquet(train_path, generate(n_train, seed, level, exclude={p.expression for p in val}), level,
-                      "train", shots, seed)
+        train = generate(n_train, seed, level, exclude={p.expression for p in val}, fewer_ok=True)
+        write_parquet(train_path, train, level, "train", shots, seed)

@@ -68,3 +68,15 @@ def test_zero_shots_is_the_question_alone():
     p = generate(1, 0, Level(1, 1))[0]
     assert messages(p, None) == [{"role": "user", "content": p.question()}]
     assert to_rows([p], Level(1, 1), "test", shots=0)[0]["prompt"] == messages(p, None)
+
+
+def test_a_small_level_trains_on_all_its_problems(tmp_path):
+    import pandas as pd
+
+    write_task(str(tmp_path / "train.parquet"), str(tmp_path / "val.parquet"), 512, 16, Level(1, 1))
+    train = pd.read_parquet(tmp_path / "train.parquet")
+    assert len(train) == 126 - 16  # 81 sums and 45 differences a >= b of 1..9, less the validation ones
+    for prompt in train["prompt"]:
+        assert prompt[0]["content"] != prompt[-1]["content"]  # the example is never the question
+    with pytest.raises(ValueError, match="only 126 distinct d1o1 problems exist, asked 200"):
+        generate(200, 0, Level(1, 1))
