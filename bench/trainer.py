@@ -75,8 +75,9 @@ CASE_NAMES = {"a": "similar-length", "b": "one-long", "c": "kl-cov", "d": "smoll
 MODEL_CASES: dict[str, dict] = {
     # configs/smollm2.yaml's size and task level (make demo-real picked d2o1: the start model's pass@8 0.625):
     # 4 prompts x 8 rollouts, 32 new tokens, 2 optimizer steps per batch, lr 5e-5; 1 + 2 rollout batches, the pool
-    # of 4 prompts and 8 held-out ones evaluated (135M parameters: ~1 CPU-minute per batch, 64 answers per minute)
-    "d": dict(model="smollm2", level="d2o1", config=["data.max_prompt_len=256"],
+    # of 4 prompts and 8 held-out ones evaluated. 135M parameters: at load ~22 on the 2 cores fastcov's run passed the
+    # default --case-timeout of 900 s, so this case waits up to an hour per trainer
+    "d": dict(model="smollm2", level="d2o1", config=["data.max_prompt_len=256"], timeout=3600.0,
               sizes=dict(prompts=4, n=8, max_new=32, long_new=32, mini_batches=2, lr=5e-5, steps=2, warmup=1,
                          pool=4, pool_k=8, eval_prompts=8, logprob_budget=2048)),
 }
@@ -693,8 +694,9 @@ def main(argv: list[str] | None = None) -> int:
         before = eval_start(model, data, pc)
         for trainer in CASES[case]:
             meta["load"] = load_note() + " before this run (shared machine: other jobs ran alongside)"
-            row = {**meta, **case_meta, **run_one(trainer, case, pc, args.preset, work, data, model,
-                                                  args.case_timeout, before)}
+            timeout = max(args.case_timeout, MODEL_CASES.get(case, {}).get("timeout", 0.0))
+            row = {**meta, **case_meta, **run_one(trainer, case, pc, args.preset, work, data, model, timeout,
+                                                  before)}
             rows.append(row)
             M.append_jsonl(out, row)
             print(json.dumps({k: v for k, v in row.items() if k != "per_step"}), flush=True)
