@@ -360,7 +360,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "token budget and rollout engine (then --gpus defaults to 8)")
     parser.add_argument("--model",
                         help=f"a preset ({', '.join(QWEN25)}), a Hub id (Qwen/Qwen2.5-7B; other ids from the local "
-                             "Hugging Face cache, never downloaded), or a model directory or config.json path")
+                             "Hugging Face cache, never downloaded), a model directory or config.json path, or a .gguf file (or a "
+                             "directory holding one)")
     parser.add_argument("--gpus", type=int,
                         help="data-parallel GPUs sharing the ZeRO state (default 1; with --config 8)")
     parser.add_argument("--tokens-per-gpu", type=int,
@@ -428,6 +429,8 @@ def load_model_shape(spec: str, flag: str = "--model") -> ModelShape:
     cache. Nothing is downloaded. ``flag``: how errors name the setting."""
     if spec.lower() in QWEN25:
         return QWEN25[spec.lower()]
+    if (gguf := _gguf_in(spec)) is not None:
+        return gguf_model_shape(gguf, name=spec)
     local = Path(spec).expanduser()
     if local.is_dir():
         if not (local / "config.json").is_file():
@@ -450,6 +453,55 @@ def load_model_shape(spec: str, flag: str = "--model") -> ModelShape:
                          f"local directory; presets: {', '.join(QWEN25)}")
     raise ValueError(f"{flag}: unknown preset {spec!r}; presets are {', '.join(QWEN25)}, a Hub id (Qwen/Qwen2.5-7B), "
                      "or a model directory or config.json path")
+
+
+def _gguf_in(spec: str) -> str | None:
+    """The GGUF file ``spec`` names: itself (``*.gguf``), or the one in a directory without config.json."""
+    import os
+
+    if spec.lower().endswith(".gguf"):
+        return spec
+    if os.path.isdir(spec) and not os.path.isfile(os.path.join(spec, "config.json")):
+        found = sorted(f for f in os.listdir(spec) if f.lower().endswith(".gguf"))
+        if len(found) == 1:
+            return os.path.join(spec, found[0])
+    return None
+
+
+def gguf_model_shape(path: str, name: str = "gguf") -> ModelShape:
+    """The shape of the model in a GGUF file, from its header (llama.cpp's ``<arch>.embedding_length``, ...;
+    the tensors are not read). Needs the ``gguf`` package (``fastcov[gguf]``)."""
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        raise ValueError(f"--model: {path!r} is a GGUF file, and reading one needs the gguf package: "
+                         "pip install 'fastcov[gguf]'") from None
+    try:
+        reader = GGUFReader(path)
+    except FileNotFoundError:
+        raise ValueError(f"--model: no such GGUF file {path!r}") from None
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--model: {path!r} is not a readable GGUF file ({exc})") from None
+
+    def value(key: str):
+        field = reader.fields.get(key)
+        if field is None:
+            raise ValueError(f"--model: {path!r} has no {key!r} in its header")
+        part = field.parts[field.data[0]]
+        return bytes(part).decode("utf-8") if key == "general.architecture" else part.tolist()[0]
+
+    arch = value("general.architecture")
+    heads = int(value(f"{arch}.attention.head_count"))
+    try:
+        kv_heads = int(value(f"{arch}.attention.head_count_kv"))
+    except ValueError:
+        kv_heads = heads
+    tensors = {t.name for t in reader.tensors}
+    return ModelShape(name=name, hidden_size=int(value(f"{arch}.embedding_length")),
+                      intermediate_size=int(value(f"{arch}.feed_forward_length")),
+                      num_layers=int(value(f"{arch}.block_count")), num_heads=heads, num_kv_heads=kv_heads,
+                      vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data),
+                      tie_embeddings="output.weight" not in tensors, qkv_bias="blk.0.attn_q.bias" in tensors)
 
 
 def _check_args(args: argparse.Namespace) -> None:

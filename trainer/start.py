@@ -37,6 +37,7 @@ from fastcov.trainer.runtime.checkpoint import CheckpointError, fsync_path, load
 from fastcov.trainer.runtime.dependencies import check_optional_packages
 from fastcov.trainer.runtime.distributed import init_distributed, pick_device
 from fastcov.trainer.runtime.errors import user_error
+from fastcov.trainer.runtime.gguf import convert_for_run
 from fastcov.trainer.runtime.lora import count_parameters
 from fastcov.trainer.runtime.model import PolicyModel, build_model, check_model_source, load_tokenizer, use_liger
 from fastcov.trainer.runtime.policy import DeepSpeedPolicy, ds_config
@@ -247,6 +248,7 @@ def _checked_setup(cfg: Config, resume, overwrite: bool, device, rank: int, worl
         except OSError as exc:
             raise io_error(run_dir, exc) from None
     dist.barrier()
+    convert_for_run(cfg.model, run_dir, param_dtype(cfg.model, device), rank)  # a .gguf model.path, once per run
     if cfg.data.synthetic.enabled:
         train_files, val_files = prepare_data(cfg, tokenizer, run_dir, rank)
         dist.barrier()

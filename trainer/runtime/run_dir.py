@@ -3,6 +3,7 @@
     <run>/config.yaml      the resolved config          <run>/metrics.jsonl   one JSON row per step
     <run>/checkpoints/     step_NNNNNN/ (atomic)        <run>/final/          the exported HF model
     <run>/data/            the synthetic task, regenerated identically when missing
+    <run>/gguf-model/      a GGUF model.path converted to a Hugging Face directory (runtime/gguf.py)
 
 Every reader of metrics.jsonl goes through ``parse_metrics`` and so shares one policy for damage: a
 torn last line (the process died mid-write) is dropped; any other bad line is the user's to fix and
@@ -41,6 +42,7 @@ CONFIG = "config.yaml"
 CHECKPOINTS = "checkpoints"
 FINAL = "final"
 DATA = "data"
+GGUF_MODEL = "gguf-model"
 
 
 def metrics_path(run_dir: str | Path) -> Path:
@@ -60,9 +62,9 @@ def data_dir(run_dir: str | Path) -> Path:
 
 
 # A run directory holding nothing but these can be trained into afresh (data/: the synthetic task,
-# which a run only writes when missing and regenerates identically, and its temporary folder; .lock: who
-# holds the directory).
-REGENERABLE = {DATA, staging_dir(Path(DATA)).name, LOCK}
+# which a run only writes when missing and regenerates identically, and its temporary folder; gguf-model/: a
+# GGUF model converted, the same again from the same file; .lock: who holds the directory).
+REGENERABLE = {DATA, staging_dir(Path(DATA)).name, GGUF_MODEL, f".{GGUF_MODEL}.tmp", LOCK}
 
 
 class RunDirBusy(UserError):
