@@ -360,8 +360,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "token budget and rollout engine (then --gpus defaults to 8)")
     parser.add_argument("--model",
                         help=f"a preset ({', '.join(QWEN25)}), a Hub id (Qwen/Qwen2.5-7B; other ids from the local "
-                             "Hugging Face cache, never downloaded), a model directory or config.json path, or a .gguf file (or a "
-                             "directory holding one)")
+                             "Hugging Face cache, never downloaded), a model directory or config.json path, or a "
+                             ".gguf file (or a directory holding one)")
     parser.add_argument("--gpus", type=int,
                         help="data-parallel GPUs sharing the ZeRO state (default 1; with --config 8)")
     parser.add_argument("--tokens-per-gpu", type=int,
