@@ -57,6 +57,31 @@ def test_weights_are_the_formula_with_zero_padding_and_no_gradient(level, mode, 
     assert float((weights[mask] - 1).abs().max()) > 0.1  # something is truncated or masked
 
 
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("mode", ["truncate", "mask"])
+@pytest.mark.parametrize("lo", [None, 0.8])
+def test_no_upper_bound_is_none_and_holds_in_every_dtype(level, mode, lo):
+    """clip_max=None (TRL's ``vllm_importance_sampling_clip_max=None``) bounds nothing from above; so does a bound past
+    the dtype's range (1e300 in fp32 used to raise 'value cannot be converted to type float without overflow')."""
+    log_ratio, mask = _batch(4, scale=0.3 if level == "token" else 0.08)
+    expected = _reference_weights(log_ratio, mask, level, mode, math.inf, lo)
+    for dtype in (torch.float64, torch.float32, torch.bfloat16):
+        for hi in (None, 1e300):
+            weights, metrics = rollout_correction(log_ratio.to(dtype), mask, level=level, mode=mode, clip_max=hi,
+                                                  clip_min=lo)
+            # the reference in float64 from the same rounded inputs: exp of a rounded value, rounded once more
+            reference = _reference_weights(log_ratio.to(dtype).double(), mask, level, mode, math.inf, lo)
+            tol = 4 * torch.finfo(dtype).eps * (1 + 13 * (level == "sequence"))  # exp's rounding, × the summed terms
+            torch.testing.assert_close(weights.double(), reference, rtol=tol, atol=0.0)
+            assert weights.dtype == dtype and all(bool(torch.isfinite(v)) for v in metrics.values())
+            assert float(metrics["rollout_is_ratio_fraction_high"]) == 0.0
+            if lo is None:
+                assert float(metrics["rollout_is_ratio_fraction_low"]) == 0.0
+    assert float(expected[mask].max()) > 1.15  # ratios above any bound one would set are kept
+    if lo is not None and level == "token":
+        assert float(expected[mask].min()) in ((0.0,) if mode == "mask" else (lo,))  # the lower bound acts
+
+
 def test_sequence_weights_broadcast_and_bound_the_exponent():
     log_ratio, mask = _batch(2, scale=5.0)
     weights, _ = rollout_correction(log_ratio, mask, level="sequence", mode="mask", clip_max=1e30)
