@@ -2,7 +2,7 @@
 
     pip install 'fastcov[trl]'                  # trl>=1.16,<2 (checked at import, in one line)
     from fastcov.integrations.trl import FastcovGRPOConfig, FastcovGRPOTrainer
-    args = FastcovGRPOConfig(output_dir="out", fastcov_loss_mode="kl_cov", kl_cov_ratio=2e-3)
+    args = FastcovGRPOConfig(output_dir="out", fastcov_loss_mode="kl_cov", kl_cov_ratio=2e-3, steps_per_generation=8)
     trainer = FastcovGRPOTrainer(model=model, reward_funcs=reward_fn, args=args, train_dataset=ds)
     trainer.train()     # logs fastcov/selected_frac, fastcov/cov_mean, fastcov/clipfrac, fastcov/ppo_kl, ...
 
@@ -15,17 +15,24 @@ target-entropy controller, ``_save_checkpoint`` / ``_load_optimizer_and_schedule
   The decoder runs inside the model's forward (a ``fastcov_logits_to_keep=`` keyword this module adds to
   the policy's and reference model's forward), so DDP / accelerate wrappers see a normal forward.
 * ``_compute_loss``: ``fastcov.policy_loss`` with the configured mode; TRL's KL-to-reference term when
-  ``beta != 0``; TRL's entropy bonus and adaptive entropy control (below); fastcov's metrics go to TRL's
-  ``_metrics`` under ``fastcov/<name>``.
+  ``beta != 0``; TRL's entropy bonus and adaptive entropy control (below); an MoE model's load-balancing loss;
+  fastcov's metrics go to TRL's ``_metrics`` under ``fastcov/<name>``.
 * ``_generate_and_score_completions`` (``fastcov_scope="global"`` only): computes the Clip-Cov / KL-Cov
   selection once per rollout batch over every data-parallel rank (``fastcov.compute_global_selection``)
   and hands each micro-batch its rows.
 
 Mapping of TRL's options (``FastcovGRPOConfig``)::
 
-    epsilon, epsilon_high  -> LossConfig.clip_low, clip_high      (PPO clip of vanilla and clip_cov; kl_cov has none)
-    delta                  -> LossConfig.dual_clip_c              (must be > 1 + epsilon_high; not with kl_cov)
-    top_entropy_quantile   -> LossConfig.high_entropy_fraction    (in (0, 1]; 1 = all tokens)
+    fastcov_loss_mode "auto" (default) -> "clip_cov" where the loss is PPO's token clip (loss_type dapo, bnpo, grpo,
+                              dr_grpo, luspo at token level: it acts on-policy too), else "kl_cov" (its penalty acts
+                              from a rollout batch's second optimizer step on; warned where there is none)
+    epsilon, epsilon_high  -> LossConfig.clip_low, clip_high      (PPO clip of vanilla, clip_cov and gspo)
+    delta                  -> LossConfig.dual_clip_c              (> 1 + epsilon_high; token level and GSPO; not with
+                              kl_cov at token level, which has no clip)
+    top_entropy_quantile   -> TRL's own entropy mask (get_high_entropy_mask), a per-token loss weight (a row's mean
+                              with GSPO / sapo_seq); fastcov_scope "global": LossConfig.high_entropy_fraction
+    router_aux_loss_coef   -> TRL's: an MoE model's load-balancing loss (TRL's default None: the model's coefficient),
+                              from the fused forward's router logits (``router_aux_loss_function``), / GA steps
     loss_type "dapo"       -> agg "token-mean", denominator = TRL's (active tokens of the accumulated batch)
               "bnpo"       -> agg "token-mean" over the micro-batch, / gradient_accumulation_steps
               "grpo"       -> agg "seq-mean-token-mean" over the micro-batch's B rows, / gradient_accumulation_steps
@@ -41,6 +48,8 @@ Mapping of TRL's options (``FastcovGRPOConfig``)::
     beta                   -> TRL's k3 KL to the reference model, aggregated like the policy loss; with
                               use_bias_correction_kl (TRL's default) × the ratio to the old policy (GSPO's sequence
                               ratio at sequence level)
+    fastcov_loss_mode "kl_cov" with cispo, sapo, vespo or sequence level -> that mode's loss plus mode "kl_cov_penalty"
+                              (β·|log π − log π_old| on KL-Cov's tokens, each token's own weight, the same aggregation)
 
 Rollout correction (TRL's options, TRL's behaviour; ``fastcov.correction``), as per-token weights of the policy loss::
 
@@ -68,17 +77,16 @@ Entropy bonus and adaptive entropy (TRL's options, TRL's behaviour; ``fastcov.en
                                  (target, knob: kl_cov_coef | kl_cov_ratio | clip_cov_ratio | entropy_coef, rule,
                                  init, delta, gain, min, max, gate, inclusive), measured as use_adaptive_entropy is
 
-With ``top_entropy_quantile`` < 1 the bonus and the measurement cover the tokens fastcov's loss trains on (its
-high-entropy selection; TRL picks its own quantile over all processes). The controller's state is saved with each
+With ``top_entropy_quantile`` < 1 the bonus and the measurement cover the tokens the high-entropy mask keeps (TRL's
+own mask; the rollout-wide selection with ``fastcov_scope="global"``). The controller's state is saved with each
 checkpoint (``fastcov_entropy_control.json``) and restored on resume; ``entropy_coef`` (the coefficient) or
 ``fastcov/entropy_control/value`` (another knob) is logged at every optimizer step.
 
 Refused (ValueError naming the option): cispo, sapo, vespo or importance_sampling_level "sequence" with
-fastcov_loss_mode clip_cov / kl_cov (those select tokens inside PPO's token clip; use "vanilla") or fastcov_scope
-"global" (nothing to select); top_entropy_quantile < 1 with GSPO / sequence-level sapo (a token mask of a ratio whose
-gradient runs through its whole row) and delta with GSPO (no dual clip); vespo with a sequence_* vLLM mode (TRL
-refuses it too); MoE router aux loss, multimodal inputs, FSDP (the fused kernel reads ``lm_head.weight`` whole in
-its backward).
+fastcov_loss_mode "clip_cov" (it selects tokens inside PPO's token clip; "kl_cov" adds its penalty instead), or with
+"vanilla" and fastcov_scope "global" (nothing to select); vespo with a sequence_* vLLM mode (TRL refuses it too);
+multimodal inputs, an MoE model whose aux loss is not transformers' load_balancing_loss_func, FSDP (the fused kernel
+reads ``lm_head.weight`` whole in its backward).
 
 LoRA: pass ``peft_config=peft.LoraConfig(...)`` as to ``GRPOTrainer``. TRL wraps the policy in a PeftModel; the
 fused head runs on its base model's decoder (adapters active), only the adapters train, and with ``beta > 0`` the

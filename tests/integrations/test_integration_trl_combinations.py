@@ -304,3 +304,22 @@ def test_auto_mode_acts_under_trls_defaults(tmp_path):
         reused = make_args(tmp_path, loss_type="cispo", steps_per_generation=2)  # the penalty acts: no warning
         assert reused.fastcov_kl_cov_penalty()
         assert len([w for w in caught if "KL-Cov" in str(w.message)]) == 2
+
+
+@pytest.mark.parametrize("options", [
+    dict(loss_type="cispo", fastcov_loss_mode="kl_cov", kl_cov_ratio=0.5),
+    dict(importance_sampling_level="sequence", fastcov_loss_mode="kl_cov", kl_cov_ratio=0.5, top_entropy_quantile=0.5),
+])
+def test_global_scope_with_kl_cov_on_another_loss_trains(tmp_path, options):
+    """fastcov_scope="global": the rollout-wide KL-Cov selection (and high-entropy mask) reach the penalty."""
+    from test_integration_trl import make_trainer
+
+    trainer = make_trainer(tmp_path, fastcov_scope="global", per_device_train_batch_size=2,
+                           gradient_accumulation_steps=2, **options)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.train()
+    assert any(not torch.equal(a, b.detach()) for a, b in zip(before, trainer.model.parameters(), strict=True))
+    logs = next(row for row in trainer.state.log_history if "fastcov/selected_frac" in row)
+    assert 0 < logs["fastcov/selected_frac"] <= 0.5 + 1e-6
+    if "top_entropy_quantile" in options:
+        assert 0 < logs["fastcov/high_entropy_frac"] < 1
