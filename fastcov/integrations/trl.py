@@ -449,8 +449,8 @@ class FastcovGRPOTrainer(GRPOTrainer):
         zero3 = plugin is not None and plugin.zero_stage == 3
         add_fastcov_head(self.model, self.temperature, zero3=zero3)
         if self.aux_loss_enabled:  # the MoE load-balancing loss: refuse a model whose loss the head cannot give now
-            base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-            router_aux_loss_function(base)
+            model = self.model
+            router_aux_loss_function(model.get_base_model() if hasattr(model, "get_base_model") else model)
         if self.ref_model is not None:
             add_fastcov_head(self.accelerator.unwrap_model(self.ref_model), self.temperature, zero3=zero3)
 

@@ -412,3 +412,28 @@ def test_bad_segments_name_the_argument():
     for bad in (torch.zeros(2, 2, dtype=torch.long), torch.ones_like(logprob)):  # wrong shape, floating
         with pytest.raises(ValueError, match="segments"):
             policy_loss(logprob, old, adv, mask, mode="gspo", segments=bad)
+
+
+def test_gspo_dual_clip_bounds_the_loss_of_negative_advantages():
+    """Mode gspo applies dual_clip_c (TRL's delta with GSPO): where A < 0 and the sequence ratio s > c the token loss
+    is −A·c with no gradient; elsewhere the plain GSPO loss."""
+    rows, cols = 6, 7
+    g = torch.Generator().manual_seed(21)
+    mask = torch.arange(cols)[None, :] < torch.randint(2, cols + 1, (rows,), generator=g)[:, None]
+    logprob = (-2 * torch.rand(rows, cols, generator=g, dtype=torch.float64)).requires_grad_(True)
+    old = logprob.detach() - 0.3 * torch.rand(rows, 1, generator=g, dtype=torch.float64)  # s = e^0..e^0.3 per row
+    adv = torch.tensor([-1.0, -0.5, 0.7, -2.0, 1.0, -0.3], dtype=torch.float64)[:, None].expand(rows, cols)
+    c = 1.15
+    loss, _ = policy_loss(logprob, old, adv, mask, mode="gspo", agg="token-mean",
+                          config=LossConfig(clip_low=0.1, clip_high=0.1, dual_clip_c=c))
+    plain, _ = policy_loss(logprob, old, adv, mask, mode="gspo", agg="token-mean",
+                           config=LossConfig(clip_low=0.1, clip_high=0.1))
+    s = torch.exp(((logprob.detach() - old) * mask).sum(-1) / mask.sum(-1))
+    bound = (adv[:, 0] < 0) & (s > c)
+    assert 0 < int(bound.sum()) < rows  # the case binds on some rows, not all
+    per_row = torch.where(bound, -adv[:, 0] * c, torch.maximum(-adv[:, 0] * s, -adv[:, 0] * s.clamp(0.9, 1.1)))
+    expected = (per_row[:, None].expand(rows, cols) * mask).sum() / mask.sum()
+    torch.testing.assert_close(loss, expected, rtol=1e-12, atol=0.0)
+    assert float(loss) < float(plain)
+    (grad,) = torch.autograd.grad(loss, logprob)
+    assert bool((grad[bound] == 0).all()) and bool((grad[~bound[:, None] & mask] != 0).any())
