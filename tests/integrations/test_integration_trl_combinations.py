@@ -8,11 +8,12 @@ update.
 * KL-Cov with loss_type cispo / sapo / vespo and at importance_sampling_level="sequence" (GSPO): TRL has no KL-Cov,
   so the reference is TRL's own loss plus the penalty as the paper defines it, written here from the formula
   (``KLCovReference``: β·|log π − log π_old| on the k = max(1, ⌊ratio·n⌋) tokens of largest
-  (A − mean A)(log π − mean log π), weighted like TRL weights a token's loss, normalized like TRL's loss type).
+  (A − mean A)(log π − mean log π), weighted like TRL weights a token's loss, normalized like TRL's loss type), on
+  the fused log-probs (see ``_run``), over one rollout batch of four optimizer steps.
 * top_entropy_quantile < 1 with GSPO and sequence-level SAPO (and at token level): TRL's own entropy mask.
 * delta (the dual clip) with GSPO.
 * an MoE model (tiny Qwen2-MoE) with TRL's default router_aux_loss_coef=None: the model's own coefficient.
-* vllm_importance_sampling_clip_max=None in each of the four vLLM modes (and both bounds None).
+* vllm_importance_sampling_clip_max=None in each of the four vLLM modes, clip_min=None, and both None.
 """
 
 import math
@@ -232,6 +233,8 @@ TRL_CASES = {
     **{f"clip_max_none_{mode}": (True, dict(vllm_importance_sampling_mode=mode, vllm_importance_sampling_clip_max=None,
                                             vllm_importance_sampling_clip_min=0.96 if mode.startswith("token") else 0.8))
        for mode in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")},
+    "clip_min_none": (True, dict(vllm_importance_sampling_mode="token_mask", vllm_importance_sampling_clip_max=1.04,
+                                 vllm_importance_sampling_clip_min=None)),  # TRL's default: no lower bound
     "clip_max_and_min_none": (True, dict(vllm_importance_sampling_mode="token_mask",
                                          vllm_importance_sampling_clip_max=None,
                                          vllm_importance_sampling_clip_min=None)),
