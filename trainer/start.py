@@ -194,7 +194,9 @@ def _check_and_prepare(cfg: Config, resume, overwrite: bool, closing: contextlib
     except ValueError as exc:
         raise user_error(exc) from None
     if device.type == "cpu" and t.threads:
-        torch.set_num_threads(t.threads)  # results must not depend on the machine's core count
+        # results must not depend on the machine's core count; a run in a caller's process gives its count back
+        closing.callback(torch.set_num_threads, torch.get_num_threads())
+        torch.set_num_threads(t.threads)
     rank, world = init_distributed(device, t.collective_timeout_s)
     if t.prompts_per_step % world:
         raise ConfigError(f"trainer.prompts_per_step: {t.prompts_per_step} is not divisible by the "

@@ -20,6 +20,7 @@ import math
 
 import pytest
 import torch
+from _agreement import fp32_loss_tolerance
 from test_integration_trl_correction import PROMPTS, recording_trainer
 
 pytest.importorskip("trl")
@@ -28,10 +29,6 @@ pytest.importorskip("datasets")
 STEPS = 4
 LR = 0.5
 EPS32 = 2.0 ** -23
-# A loss is a mean of per-token terms, each a few fp32 roundings (exp, products, the ratio's clamp) off its exact
-# value, so two implementations that order the same arithmetic differently differ by some ulps of the terms'
-# magnitude, not of the (possibly cancelling) mean: 64 ulps of the mean |term| bounds it (≤ 24 tokens a step).
-ULPS = 64
 
 
 class KLCovReference:
@@ -102,18 +99,8 @@ def _run(kind: str, out_dir: str, model, vllm: bool, options: dict) -> dict:
     else:
         base, config_cls = trl.GRPOTrainer, trl.GRPOConfig
     losses: list[float] = []
-    magnitudes: list[float] = []
-    Recording = recording_trainer(base, losses)
-
-    class Measuring(Recording):
-        def _compute_loss(self, model, inputs):
-            mask = inputs["completion_mask"].bool()
-            adv = inputs["advantages"]
-            adv = (adv[:, None] if adv.dim() == 1 else adv).expand(mask.shape)
-            old = inputs.get("old_per_token_logps")
-            log_scale = 1.0 if old is None else 1.0 + float(old[mask].abs().max())  # CISPO/VESPO: A·log π terms
-            magnitudes.append(float(adv[mask].abs().mean()) * log_scale if mask.any() else 0.0)
-            return super()._compute_loss(model, inputs)
+    scales: list[tuple[int, float]] = []  # per step: valid tokens, mean |term| (what fp32_loss_tolerance takes)
+    Recording = recording_trainer(base, losses, scales)
 
     fastcov_options = {key: value for key, value in options.items() if key.startswith(("fastcov_", "kl_cov_"))}
     trl_options = {key: value for key, value in options.items() if key not in fastcov_options}
@@ -128,7 +115,7 @@ def _run(kind: str, out_dir: str, model, vllm: bool, options: dict) -> dict:
     if config_cls is FastcovGRPOConfig:
         extra.setdefault("fastcov_loss_mode", "vanilla")
     args = config_cls(**{**kwargs, **trl_options, **extra})
-    trainer = Measuring(model=model, reward_funcs=reward_digits, args=args,
+    trainer = Recording(model=model, reward_funcs=reward_digits, args=args,
                         train_dataset=datasets.Dataset.from_dict({"prompt": PROMPTS}), processing_class=tiny_tokenizer())
     trainer.use_vllm = vllm  # what TRL reads in its rollout and loss (vLLM itself is never called)
     params = dict(trainer.model.named_parameters())
@@ -138,20 +125,27 @@ def _run(kind: str, out_dir: str, model, vllm: bool, options: dict) -> dict:
     spacing = {n: EPS32 * float(params[n].detach().abs().max()) for n in params}  # fp32 parameters' resolution
     logs = {k: v for row in trainer.state.log_history for k, v in row.items()
             if k.startswith(("fastcov/", "aux_loss", "sampling/"))}
-    return dict(losses=losses, updates=updates, spacing=spacing, logs=logs, magnitudes=magnitudes,
-                penalties=penalties)
+    return dict(losses=losses, updates=updates, spacing=spacing, logs=logs, scales=scales, penalties=penalties)
+
+
+def _loss_tolerance(theirs: dict, step: int) -> float:
+    tokens, scale = theirs["scales"][step - 1]
+    return fp32_loss_tolerance(tokens, scale, step)
 
 
 def _check(ours: dict, theirs: dict, where) -> None:
+    """Every step's loss and every parameter's update within what fp32 rounding of the loss's sums allows
+    (tests/_agreement.py's rule, as test_integration_trl_correction.py's comparisons)."""
     assert len(theirs["losses"]) == STEPS, (where, theirs["losses"])
-    for step, (a, b, size) in enumerate(zip(ours["losses"], theirs["losses"], theirs["magnitudes"], strict=True)):
-        tol = 1e-6 * abs(b) + ULPS * EPS32 * size  # see ULPS
-        assert abs(a - b) <= tol, (where, step, a, b, tol)
+    for step, (a, b) in enumerate(zip(ours["losses"], theirs["losses"], strict=True), start=1):
+        tol = _loss_tolerance(theirs, step)
+        assert abs(a - b) <= tol, (where, step, ours["losses"], theirs["losses"], abs(a - b), tol)
+    # an update is lr × the sum of STEPS gradients, each a sum of a step's per-token terms: relative to the largest
+    # update the same STEPS·n·u, plus the fp32 parameters' spacing (an update is their difference)
+    rel = fp32_loss_tolerance(max(n for n, _ in theirs["scales"]), 1.0, STEPS)
     moved = 0.0
     for name, update in theirs["updates"].items():
-        # an update is lr × a gradient, a sum of the same terms' gradients: ULPS of its largest element, plus the
-        # parameters' fp32 spacing (an update is the difference of two rounded parameters)
-        tol = ULPS * EPS32 * float(update.abs().max()) + 4 * theirs["spacing"][name]
+        tol = rel * float(update.abs().max()) + 4 * theirs["spacing"][name]
         diff = float((ours["updates"][name] - update).abs().max())
         assert diff <= tol, (where, name, diff, tol)
         moved = max(moved, float(update.abs().max()))
@@ -212,7 +206,8 @@ def test_kl_cov_on_a_loss_without_token_clip_is_that_loss_plus_the_penalty(tmp_p
     ours = _run("fastcov", str(tmp_path), model_dir, vllm, {**options, **KL_COV})
     _check(ours, theirs, case)
     # the comparison sees the penalty: at noise level on the on-policy step, far above the tolerance on the others
-    penalties, tolerance = theirs["penalties"], ULPS * EPS32 * max(theirs["magnitudes"])
+    penalties = theirs["penalties"]
+    tolerance = max(_loss_tolerance(theirs, step) for step in range(1, STEPS + 1))
     assert penalties[0] < tolerance and min(penalties[1:]) > 100 * tolerance, (penalties, tolerance)
     assert ours["logs"]["fastcov/selected_frac"] > 0
 
