@@ -870,7 +870,7 @@ def _validate_rollout_correction(cfg: Config) -> None:
             raise ConfigError(f"algo.rollout_correction.{key}: {exc}") from None
     _check(rc.off_policy_mask_threshold is None or rc.off_policy_mask_threshold >= 0,
            "algo.rollout_correction.off_policy_mask_threshold", "must be >= 0")
-    if a.mode in SELECTION_FREE_MODES:
+    if a.mode in SELECTION_FREE_MODES and a.mode != "gspo":  # GSPO's loss is PPO's clip (of the sequence ratio)
         _check(a.dual_clip_c is None, "algo.dual_clip_c",
                f"the dual clip bounds PPO's clipped loss for A < 0; algo.mode={a.mode} has no such loss (set null)")
 
