@@ -387,6 +387,22 @@ def plot_bands(numbers: dict[str, list[dict[str, Any]]], path: Path) -> Path | N
     return path
 
 
+def write_curves(numbers: dict[str, list[dict[str, Any]]], seeds: Sequence[Any], path: Path) -> Path:
+    """Every run's curve as CSV (arm, seed, step, entropy, rollout_acc, control_value; empty where a run has no
+    value): the data the study's figures are drawn from, small enough to commit beside the report."""
+    import csv
+
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["arm", "seed", "step", "entropy", "rollout_acc", "control_value"])
+        for arm, runs in numbers.items():
+            for seed, r in zip(seeds, runs, strict=True):
+                for row in zip(r["steps"], r["entropy"], r["rollout_acc"], r["control_value"], strict=True):
+                    w.writerow([arm, "" if seed is None else seed, row[0]]
+                               + ["" if v is None else f"{v:.6g}" for v in row[1:]])
+    return path
+
+
 def target_holding(numbers: dict[str, list[dict[str, Any]]], target: float,
                    baseline: str = "grpo") -> tuple[list[str], dict[str, Any]]:
     """How close each arm holds the rollout entropy at ``target`` (nats/token): mean |H − target| over the second
