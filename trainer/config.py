@@ -152,7 +152,8 @@ class RolloutConfig:
     # generating into a bounded queue, every sample tagged with the policy version that drew it.
     async_mode: Literal["off", "one_step", "stream"] = field(default="off", metadata={"key": "async"})
     # stream: a batch drawn by weights more than this many versions older than the policy it would train is
-    # dropped (stale: drop) or trained on with the rollout correction's weights (stale: correct).
+    # dropped (stale: drop) or trained on with the rollout correction's weights (stale: correct). one_step: how many
+    # batches ahead the fixed schedule runs (batch t+k drawn by the weights after step t-1: every batch k stale).
     max_staleness: int = 1
     stale: Literal["drop", "correct"] = "drop"
     sync_every: int = 1  # push the weights to the engine after every this many steps (one_step: 1)
@@ -196,9 +197,9 @@ class RolloutConfig:
                "rollouts need an engine that runs beside the trainer: set rollout.vllm_mode=server")
         _check(r.async_mode != "one_step" or r.sync_every == 1, "rollout.sync_every",
                "rollout.async=one_step pushes the weights after every step (its fixed schedule): set 1, or use stream")
-        _check(r.async_mode != "stream" or r.max_staleness >= 1, "rollout.max_staleness",
-               "rollout.async=stream trains while the engine generates, so every batch is at least one version old: "
-               "set >= 1")
+        _check(r.max_staleness >= 1, "rollout.max_staleness",
+               f"rollout.async={r.async_mode} trains while the engine generates, so every batch is at least one "
+               "version old: set >= 1")
 
 
 @dataclass

@@ -189,11 +189,14 @@ class EngineProcess(RolloutEngine):
     def _call(self, request: dict):
         if self.channel is None or self.proc is None or self.proc.poll() is not None:
             raise self.died()
+        broken = None
         try:
             self.channel.send(request)
             reply = self.channel.recv()
         except RuntimeError as exc:
-            raise self.died(exc) from None
+            broken = exc
+        if broken is not None:  # raised outside the handler: gloo's error is no part of the chain (not a lost rank)
+            raise self.died(broken)
         if "error" in reply:
             raise RolloutError(f"the HF engine process of rank {self.spec.rank}: {reply['error']}")
         return reply
@@ -232,6 +235,7 @@ class EngineProcess(RolloutEngine):
         """Every bucket flattened into host memory and sent; returns once the worker has loaded them all."""
         if self.channel is None or self.proc is None or self.proc.poll() is not None:
             raise self.died()
+        broken = None
         try:
             self.channel.send({"op": "update"})
             for bucket in as_buckets(named_tensors):
@@ -241,6 +245,8 @@ class EngineProcess(RolloutEngine):
             self.channel.send({"op": "end"})
             reply = self.channel.recv()
         except RuntimeError as exc:
-            raise self.died(exc) from None
+            broken = exc
+        if broken is not None:
+            raise self.died(broken)
         if "error" in reply:
             raise RolloutError(f"the HF engine process of rank {self.spec.rank}: weight sync: {reply['error']}")

@@ -13,7 +13,8 @@ that trains step t is version t − 1, so a batch drawn by version v is ``lag = 
   weights after step t are pushed. DAPO's refills of step t are generated there and then, by version t − 1. The
   schedule depends on nothing but the step, so a run is reproducible bit for bit; the checkpoint of step t holds
   the finished batch t + 1 (token ids and log-probs), so a resumed run trains on exactly what the uninterrupted
-  one would have.
+  one would have. With ``rollout.max_staleness`` k > 1 the same schedule runs k batches ahead: batch t + k is
+  launched at step t, so every batch from step k + 1 on is exactly k versions stale.
 * ``StreamSource`` (``rollout.async: stream``): a producer thread keeps the engine generating batches into a
   queue of ``rollout.queue_size`` (0: ``max_staleness``) finished batches; the weights go out after every
   ``rollout.sync_every`` steps (and before an evaluation). A batch whose lag exceeds ``rollout.max_staleness`` on
@@ -80,6 +81,7 @@ class StepLog:
     lags: list[tuple[int, int]] = field(default_factory=list)
     dropped: int = 0
     depth: list[int] = field(default_factory=list)
+    tokens: int = 0  # response tokens the engine generated for the batches drawn (kept or dropped), this rank
 
 
 class Source:
@@ -137,20 +139,24 @@ class Source:
 
     def _keep(self, step: int, drawn: Drawn) -> Drawn:
         self.log.lags.append((version_lag(step, drawn.version), len(drawn.prompts)))
+        self.log.tokens += sum(len(x) for x in drawn.out.token_ids)
         return drawn
 
     def step_metrics(self) -> dict[str, float]:
         """``async/*`` of the step over all ranks (every rank must call it): staleness mean and max over the
         samples trained on, finished batches waiting when the trainer asked (mean over ranks and draws), the
-        engine's version; the step's drops go into the ``stale_dropped`` counter (samples, all ranks)."""
+        engine's version, the response tokens generated for the step (dropped batches' included); the step's drops
+        go into the ``stale_dropped`` counter (samples, all ranks)."""
         log, self.log = self.log, StepLog()
         lag_sum = sum(lag * n for lag, n in log.lags)
         samples = sum(n for _, n in log.lags)
-        s_lag, s_n, s_depth, s_draws = all_sum([lag_sum, samples, sum(log.depth), len(log.depth)], self.device)
+        s_lag, s_n, s_depth, s_draws, s_tokens = all_sum(
+            [lag_sum, samples, sum(log.depth), len(log.depth), log.tokens], self.device)
         worst = all_max(max((lag for lag, _ in log.lags), default=0), self.device)
         self.counters["stale_dropped"] += log.dropped
         return {"async/staleness_mean": s_lag / max(s_n, 1), "async/staleness_max": worst,
-                "async/queue_depth": s_depth / max(s_draws, 1), "async/engine_version": self.engine.version}
+                "async/queue_depth": s_depth / max(s_draws, 1), "async/engine_version": self.engine.version,
+                "async/generated_tokens": int(s_tokens)}
 
 
 @dataclass
@@ -166,22 +172,23 @@ class Pending:
 
 
 class OneStepSource(Source):
-    """``rollout.async: one_step`` (module docstring)."""
+    """``rollout.async: one_step`` (module docstring), ``depth`` batches ahead (``rollout.max_staleness``, 1 unless
+    set): batch t + depth is launched when step t's rollouts are collected, so from step depth + 1 on every batch is
+    exactly ``depth`` versions stale (a fixed lag: the async study's staleness 4)."""
 
-    def __init__(self, *args, max_steps: int, **kwargs):
+    def __init__(self, *args, max_steps: int, depth: int = 1, **kwargs):
         super().__init__(*args, **kwargs)
         self.max_steps = max_steps
-        self.pending: Pending | None = None
+        self.depth = max(1, int(depth))
+        self.pending: deque[Pending] = deque()  # batches of the next steps, oldest first
 
     def _launch(self, step: int) -> None:
         batch_idx = self.sampler.next(self.cfg.trainer.prompts_per_step)
         examples, prompts, sampling = request(self.cfg, batch_idx, self.train_set, self.rank, self.world, step, 1)
-        self.pending = Pending(step, batch_idx, examples, prompts, sampling,
-                               self.engine.generate_async(prompts, sampling))
+        self.pending.append(Pending(step, batch_idx, examples, prompts, sampling,
+                                    self.engine.generate_async(prompts, sampling)))
 
-    def _finish(self, trainer_version: int) -> Generated:
-        p = self.pending
-        assert p is not None
+    def _finish(self, p: Pending, trainer_version: int) -> Generated:
         if isinstance(p.got, Future):
             p.got = self.engine.result(p.got, p.prompts, p.sampling, trainer_version)
         return p.got
@@ -189,57 +196,56 @@ class OneStepSource(Source):
     def draw(self, step: int, n: int) -> Drawn:
         if n > 1:
             return self.refill(step, n)
-        if self.pending is None:  # the run's first step, or a resume from a checkpoint without the batch
-            self._launch(step)
-        p = self.pending
-        assert p is not None and p.step == step, f"one_step: batch of step {p and p.step} drawn at step {step}"
+        if not self.pending:  # the run's first step, or a resume from a checkpoint without the batches
+            for ahead in range(step, min(step + self.depth, self.max_steps + 1)):
+                self._launch(ahead)
+        p = self.pending.popleft()
+        assert p.step == step, f"one_step: the batch of step {p.step} drawn at step {step}"
         self.log.depth.append(int(not isinstance(p.got, Future) or p.got.done()))
-        got = self._finish(step - 1)
-        self.pending = None
+        got = self._finish(p, step - 1)
         return self._keep(step, Drawn(p.examples, p.prompts, got.out, got.version))
 
     def collected(self, step: int) -> None:
-        if step < self.max_steps:
-            self._launch(step + 1)  # with the weights after step - 1, while step trains
+        if step + self.depth <= self.max_steps:
+            self._launch(step + self.depth)  # with the weights after step - 1, while step trains
 
     def before_push(self) -> None:
-        if self.pending is not None:
-            self._finish(self.engine.version)  # batch t + 1 finishes with the weights after step t - 1
+        for p in self.pending:  # batches up to t + depth finish with the weights they were launched with
+            self._finish(p, self.engine.version)
 
     def save(self, ckpt_dir: Path) -> None:
-        """This rank's finished batch of the next step into ``ckpt_dir/async_rank<r>.json`` (fsynced)."""
-        if self.pending is None:
-            return
-        got = self._finish(self.engine.version)
-        p = self.pending
-        state = {"step": p.step, "batch_idx": p.batch_idx, "token_ids": got.out.token_ids,
-                 "logprobs": got.out.logprobs, "version": got.version}
-        path = Path(ckpt_dir) / f"async_rank{self.rank}.json"
-        with open(path, "w") as f:
-            json.dump(state, f)
+        """This rank's finished batches of the next steps into ``ckpt_dir/async_rank<r>.json`` (fsynced)."""
+        self.before_push()
+        batches = [{"step": p.step, "batch_idx": p.batch_idx, "token_ids": p.got.out.token_ids,
+                    "logprobs": p.got.out.logprobs, "version": p.got.version}
+                   for p in self.pending if isinstance(p.got, Generated)]
+        with open(Path(ckpt_dir) / f"async_rank{self.rank}.json", "w") as f:
+            json.dump({"batches": batches}, f)
             f.flush()
             os.fsync(f.fileno())
 
     def load(self, ckpt_dir: Path, step: int) -> None:
-        """The batch of step ``step + 1`` from a checkpoint of step ``step`` (none there: generated afresh)."""
+        """The batches of the steps after ``step`` from its checkpoint (none there: generated afresh)."""
         path = Path(ckpt_dir) / f"async_rank{self.rank}.json"
         if not path.is_file():
             return
-        state = json.loads(path.read_text())
-        if int(state["step"]) != step + 1:
-            raise ValueError(f"{path}: holds the batch of step {state['step']}, expected {step + 1}")
-        batch_idx = [int(i) for i in state["batch_idx"]]
-        examples, prompts, sampling = request(self.cfg, batch_idx, self.train_set, self.rank, self.world, step + 1, 1)
-        out = RolloutBatch([[int(x) for x in row] for row in state["token_ids"]],
-                           [[float(x) for x in row] for row in state["logprobs"]])
-        if len(out.token_ids) != len(prompts):
-            raise ValueError(f"{path}: {len(out.token_ids)} responses for {len(prompts)} prompts")
-        self.pending = Pending(step + 1, batch_idx, examples, prompts, sampling,
-                               Generated(out, int(state["version"]), 0.0, 0.0))
+        for i, b in enumerate(json.loads(path.read_text())["batches"]):
+            if int(b["step"]) != step + 1 + i:
+                raise ValueError(f"{path}: holds the batch of step {b['step']}, expected {step + 1 + i}")
+            batch_idx = [int(x) for x in b["batch_idx"]]
+            examples, prompts, sampling = request(self.cfg, batch_idx, self.train_set, self.rank, self.world,
+                                                  step + 1 + i, 1)
+            out = RolloutBatch([[int(x) for x in row] for row in b["token_ids"]],
+                               [[float(x) for x in row] for row in b["logprobs"]])
+            if len(out.token_ids) != len(prompts):
+                raise ValueError(f"{path}: {len(out.token_ids)} responses for {len(prompts)} prompts")
+            self.pending.append(Pending(step + 1 + i, batch_idx, examples, prompts, sampling,
+                                        Generated(out, int(b["version"]), 0.0, 0.0)))
 
     def close(self) -> None:
-        if self.pending is not None and isinstance(self.pending.got, Future):
-            self.pending.got.cancel()
+        for p in self.pending:
+            if isinstance(p.got, Future):
+                p.got.cancel()
         super().close()
 
 
@@ -351,6 +357,7 @@ class StreamSource(Source):
             worst = all_max(version_lag(step, item.got.version), self.device)
             if worst > r.max_staleness and r.stale == "drop":
                 self.log.dropped += self.cfg.trainer.prompts_per_step * r.n
+                self.log.tokens += sum(len(x) for x in item.got.out.token_ids)
                 continue
             self.log.depth.append(depth)
             return self._keep(step, Drawn(item.examples, item.prompts, item.got.out, item.got.version))
@@ -389,7 +396,7 @@ def make_source(cfg, engine: AsyncEngine, sampler, train_set, rank: int, counter
     """The source ``rollout.async`` names (one_step or stream)."""
     if cfg.rollout.async_mode == "one_step":
         return OneStepSource(cfg, engine, sampler, train_set, rank, counters, device,
-                             max_steps=cfg.trainer.max_steps)
+                             max_steps=cfg.trainer.max_steps, depth=cfg.rollout.max_staleness)
     if cfg.rollout.async_mode == "stream":
         return StreamSource(cfg, engine, sampler, train_set, rank, counters, device, eval_due=eval_due)
     raise ValueError(f"rollout.async: no source for {cfg.rollout.async_mode!r}")

@@ -257,6 +257,25 @@ def test_one_step_draws_batch_t_plus_1_with_the_weights_after_step_t_minus_1():
     assert m["async/staleness_max"] == 1 and m["async/staleness_mean"] == pytest.approx(3 / 4)
 
 
+def test_one_step_k_batches_ahead_gives_every_batch_a_lag_of_exactly_k(tmp_path):
+    eng, sampler = VersionedEngine(), Counter()
+    src = OneStepSource(run_cfg(), eng, sampler, DATA, 0, {}, torch.device("cpu"), max_steps=7, depth=3)
+    lags = []
+    for step in range(1, 8):
+        lags.append(version_lag(step, src.draw(step, 1).version))
+        src.collected(step)
+        if step == 4:  # a checkpoint after step 4 holds batches 5-7; a fresh source resumes from them
+            src.save(tmp_path)
+            again = OneStepSource(run_cfg(), VersionedEngine(), Counter(), DATA, 0, {}, torch.device("cpu"),
+                                  max_steps=7, depth=3)
+            again.load(tmp_path, 4)
+            assert [(p.step, p.got.version, p.prompts) for p in again.pending] == [
+                (p.step, p.got.version, p.prompts) for p in src.pending]
+        src.before_push()
+        eng.version = step
+    assert lags == [0, 1, 2, 3, 3, 3, 3]
+
+
 def test_stream_drops_what_is_too_stale_on_every_rank_and_checkpoints_the_oldest_waiting_batch():
     eng, sampler = VersionedEngine(), Counter()
     counters = {}
