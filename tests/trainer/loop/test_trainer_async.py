@@ -302,3 +302,17 @@ def test_the_async_key_is_written_as_async():
     assert "async_mode" not in cfg.to_dict()["rollout"]
     with pytest.raises(ConfigError, match="unknown config key 'rollout.async_mode'"):
         load_config(TINY, ["rollout.async_mode=stream"])
+
+
+def test_the_async_study_loads_every_arm_with_its_staleness():
+    from fastcov.trainer.experiments.study import load_study
+
+    study = load_study(ROOT / "configs" / "studies" / "async.yaml")
+    for arm, over in study["arms"].items():
+        cfg = load_config(ROOT / "configs" / "demo.yaml", [*study["common"], *over])
+        stale = 0 if cfg.rollout.async_mode == "off" else cfg.rollout.max_staleness
+        assert stale == (4 if "_s4" in arm else 1 if "_s1" in arm else 0), arm
+        assert cfg.rollout.async_mode in ("off", "one_step"), arm  # exact staleness: fixed schedules only
+        corrected = cfg.algo.rollout_correction.enabled is not False
+        assert corrected == ("nocorr" not in arm), arm
+        assert cfg.algo.rollout_correction.bypass == ("bypass" in arm), arm
