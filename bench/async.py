@@ -116,7 +116,9 @@ def summarise(numbers: dict[str, list[dict[str, float]]]) -> dict[str, dict[str,
 def markdown(summary: dict, machine: str, args, started: str) -> str:
     lines = [f"# Asynchronous rollouts on CPU ({started})", "",
              f"`python -m bench.async {' '.join(args.argv)}` on {machine}, pinned to CPUs {sorted(args.cpus)}; "
-             f"{args.steps} steps, seeds {args.seeds}; mean ± 95% interval over seeds.", "",
+             f"{args.steps} steps, seeds {args.seeds}; mean ± 95% interval over seeds."
+             + (" A smoke run: it proves the pipeline at a toy size; its ratios are not measurements." if args.smoke
+                else ""), "",
              "| arm | steps/s | × off | generated tokens/s | reward per sample drawn | staleness | dropped |",
              "|---|---:|---:|---:|---:|---:|---:|"]
 
@@ -141,7 +143,8 @@ def plot_timeline(runs: dict[str, Path], path: Path, steps: tuple[int, int]) -> 
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    fig, axes = plt.subplots(len(runs), 1, figsize=(10, 1.6 * len(runs) + 0.8), squeeze=False)
+    # one time axis for every panel: the same steps take the lengths they took
+    fig, axes = plt.subplots(len(runs), 1, figsize=(10, 1.6 * len(runs) + 0.8), squeeze=False, sharex=True)
     seen: set[str] = set()
     for ax, (label, run_dir) in zip(axes[:, 0], runs.items(), strict=True):
         spans = [json.loads(x) for x in (run_dir / "timeline.jsonl").read_text().splitlines() if x.strip()]
@@ -156,8 +159,9 @@ def plot_timeline(runs: dict[str, Path], path: Path, steps: tuple[int, int]) -> 
                     label=s["phase"] if s["phase"] not in seen else None)
             seen.add(s["phase"])
         ax.set_yticks([0, 1], ["engine", "trainer"])
-        ax.set_title(label, fontsize=9, loc="left")
-        ax.set_xlabel("seconds")
+        ax.set_title(f"{label}, steps {steps[0]}-{steps[1]}" + (" (the trainer's rollout: its own generation)"
+                                                                if label == "off" else ""), fontsize=9, loc="left")
+    axes[-1, 0].set_xlabel("seconds")
     fig.legend(loc="upper right", fontsize=7, ncol=4)
     fig.tight_layout(rect=(0, 0, 1, 0.9))
     path.parent.mkdir(parents=True, exist_ok=True)

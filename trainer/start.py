@@ -127,9 +127,9 @@ class Run:
         if self.pushed and not self.source.push_due(self.step):
             return None
         with engine_failure(self):
-            self.source.before_push()
-            if self.rollout.restarted:  # a restarted engine process holds full weights of some step: LoRA resends all
-                self.synced, self.rollout.restarted = False, False
+            self.source.before_push(self.step)
+            if self.source.engine.restarted:  # a restarted engine process holds some step's weights: LoRA resends all
+                self.synced, self.source.engine.restarted = False, False
             self.pushed = True
             return self._push({"version": self.step})
 
@@ -331,11 +331,13 @@ def build_rollout(cfg: Config, engine: DeepSpeedPolicy, device: torch.device, ra
 def start_source(run: Run, closing: contextlib.ExitStack):
     """rollout.async: the source of the run's batches (trainer/rollout/staleness.py); a dead engine process is
     restarted with the policy's whole weights."""
+    from fastcov.trainer.rollout.async_engine import AsyncEngine
     from fastcov.trainer.rollout.staleness import make_source
 
-    source = make_source(run.cfg, run.rollout, run.sampler, run.train_set, run.rank, run.counters, run.device,
-                         run.eval_due)
-    run.rollout.full_weights = lambda: run.engine.weight_buckets(run.cfg.rollout.sync_bucket_mb)
+    engine = run.rollout
+    assert isinstance(engine, AsyncEngine), type(engine)  # build_rollout's, for rollout.async
+    source = make_source(run.cfg, engine, run.sampler, run.train_set, run.rank, run.counters, run.device, run.eval_due)
+    engine.full_weights = lambda: run.engine.weight_buckets(run.cfg.rollout.sync_bucket_mb)
     closing.callback(source.close)
     return source
 

@@ -12,7 +12,6 @@ sampling log-probs, possibly several versions older).
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 

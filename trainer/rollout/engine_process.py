@@ -31,6 +31,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -84,24 +85,24 @@ class Channel:
 
     def send(self, obj) -> None:
         payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        self.group.send([torch.tensor([len(payload)], dtype=torch.int64)], self.peer, 0).wait()
-        self.group.send([torch.frombuffer(bytearray(payload), dtype=torch.uint8)], self.peer, 1).wait()
+        self.group.send([torch.tensor([len(payload)], dtype=torch.int64)], self.peer, 0).wait()  # type: ignore[attr-defined]
+        self.group.send([torch.frombuffer(bytearray(payload), dtype=torch.uint8)], self.peer, 1).wait()  # type: ignore[attr-defined]
 
     def recv(self):
         size = torch.zeros(1, dtype=torch.int64)
-        self.group.recv([size], self.peer, 0).wait()
+        self.group.recv([size], self.peer, 0).wait()  # type: ignore[attr-defined]  # bound by torch's C++, no stub
         buf = torch.empty(int(size[0]), dtype=torch.uint8)
-        self.group.recv([buf], self.peer, 1).wait()
+        self.group.recv([buf], self.peer, 1).wait()  # type: ignore[attr-defined]
         return pickle.loads(buf.numpy().tobytes())  # noqa: S301 - the peer is this run's own process
 
     def send_tensor(self, flat: torch.Tensor) -> None:
         if flat.numel():
-            self.group.send([flat.contiguous()], self.peer, 2).wait()
+            self.group.send([flat.contiguous()], self.peer, 2).wait()  # type: ignore[attr-defined]
 
     def recv_tensor(self, nbytes: int) -> torch.Tensor:
         flat = torch.empty(nbytes, dtype=torch.uint8)
         if nbytes:
-            self.group.recv([flat], self.peer, 2).wait()
+            self.group.recv([flat], self.peer, 2).wait()  # type: ignore[attr-defined]
         return flat
 
 
@@ -129,7 +130,7 @@ class EngineProcess(RolloutEngine):
         self.last_stats: dict = {}
         self.proc: subprocess.Popen | None = None
         self.channel: Channel | None = None
-        self._store = None
+        self._store: Any = None  # the TCPStore the worker joins
         self.start()
 
     # ------------------------------------------------------------------------------------------ life
@@ -142,9 +143,16 @@ class EngineProcess(RolloutEngine):
 
         self.close()
         spec = self.spec
-        spec.port, spec.parent_pid = free_port(), os.getpid()
-        self._store = dist.TCPStore(spec.host, spec.port, 2, True, timeout=datetime.timedelta(seconds=spec.timeout_s),
-                                    wait_for_workers=False)
+        spec.parent_pid = os.getpid()
+        for attempt in range(5):  # a port free a moment ago may be taken by the time the store binds it
+            spec.port = free_port()
+            try:
+                self._store = dist.TCPStore(spec.host, spec.port, 2, True, wait_for_workers=False,
+                                            timeout=datetime.timedelta(seconds=spec.timeout_s))
+                break
+            except RuntimeError:
+                if attempt == 4:
+                    raise
         model_dir = Path(spec.model_dir)
         (model_dir / "spec.json").write_text(json.dumps(asdict(spec), indent=1))
         self.log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,8 @@
 The loop asks a source for each generation batch of a step (``draw(step, n)``: n = 1 for the step's batch,
 n > 1 for DAPO's refills) and tells it when the step's rollouts are collected (``collected(step)``); the run asks
 it whether a push is due after a step (``push_due``), lets it finish what must finish with the old weights first
-(``before_push``), and saves its state in the checkpoint (``state`` / ``load_state``).
+(``before_push``), and keeps what a resume needs: each rank's own in the checkpoint (``save`` / ``load``), the rest
+in the trainer state (``state`` / ``load_state``, ``sampler_state``).
 
 Versions. The engine holds version v = the step whose weights it has (0: the run's starting weights). The policy
 that trains step t is version t − 1, so a batch drawn by version v is ``lag = t − 1 − v`` versions stale there.
@@ -108,8 +109,8 @@ class Source:
     def push_due(self, step: int) -> bool:
         return True
 
-    def before_push(self) -> None:  # noqa: B027 - optional hook
-        pass
+    def before_push(self, trainer_version: int) -> None:  # noqa: B027 - optional hook
+        """Before the weights of step ``trainer_version`` go out: what must finish with the old ones."""
 
     def save(self, ckpt_dir: Path) -> None:  # noqa: B027 - optional hook
         """What the checkpoint of the current step needs beyond the trainer state (every rank)."""
@@ -209,13 +210,13 @@ class OneStepSource(Source):
         if step + self.depth <= self.max_steps:
             self._launch(step + self.depth)  # with the weights after step - 1, while step trains
 
-    def before_push(self) -> None:
+    def before_push(self, trainer_version: int) -> None:
         for p in self.pending:  # batches up to t + depth finish with the weights they were launched with
-            self._finish(p, self.engine.version)
+            self._finish(p, trainer_version)
 
     def save(self, ckpt_dir: Path) -> None:
         """This rank's finished batches of the next steps into ``ckpt_dir/async_rank<r>.json`` (fsynced)."""
-        self.before_push()
+        self.before_push(self.engine.version)  # after the step's push: the engine's version is the policy's
         batches = [{"step": p.step, "batch_idx": p.batch_idx, "token_ids": p.got.out.token_ids,
                     "logprobs": p.got.out.logprobs, "version": p.got.version}
                    for p in self.pending if isinstance(p.got, Generated)]

@@ -224,6 +224,31 @@ def test_an_engine_that_dies_ends_the_run_in_one_line_or_is_restarted(tmp_path, 
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("seed", [1, 2])
+def test_an_engine_killed_at_a_random_moment_is_restarted_and_the_run_finishes(tmp_path, monkeypatch, seed):
+    """A timer kills the engine process somewhere in the run (generating, idle, being pushed to, evaluating)."""
+    import threading
+
+    from fastcov.trainer.rollout import staleness
+
+    real, timers = staleness.OneStepSource.draw, []
+
+    def draw(self, s, n):
+        if not timers:
+            pid = self.engine.engine.pid
+            timers.append(threading.Timer(random.Random(seed).uniform(0.0, 1.5), os.kill, (pid, signal.SIGKILL)))
+            timers[0].start()
+        return real(self, s, n)
+
+    monkeypatch.setattr(staleness.OneStepSource, "draw", draw)
+    run = train_mod.train(tiny(tmp_path, "run", "rollout.async=one_step", "trainer.max_steps=4", "trainer.eval_every=2",
+                               "rollout.engine_restarts=1"))
+    timers[0].join()
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [0, 1, 2, 3, 4]
+    assert not engine_processes(run)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("over", [
     ["algo.mode=kl_cov", "algo.entropy_control.target=4.0", "algo.entropy_control.knob=kl_cov_coef",
      "algo.entropy_control.delta=0.5", "algo.pos_weight.enabled=true", "algo.dapo_filter=true",

@@ -246,7 +246,7 @@ def test_one_step_draws_batch_t_plus_1_with_the_weights_after_step_t_minus_1():
         drawn = src.draw(step, 1)
         seen.append((step, drawn.version, drawn.prompts[0][0]))
         src.collected(step)  # batch step + 1 starts here
-        src.before_push()
+        src.before_push(step)
         eng.version = step  # the push after the step's update
     # batch 1 and 2 from the starting weights, then batch t from version t - 2: one version stale from step 2
     assert seen == [(1, 0, 100), (2, 0, 102), (3, 1, 104), (4, 2, 106)]
@@ -271,7 +271,7 @@ def test_one_step_k_batches_ahead_gives_every_batch_a_lag_of_exactly_k(tmp_path)
             again.load(tmp_path, 4)
             assert [(p.step, p.got.version, p.prompts) for p in again.pending] == [
                 (p.step, p.got.version, p.prompts) for p in src.pending]
-        src.before_push()
+        src.before_push(step)
         eng.version = step
     assert lags == [0, 1, 2, 3, 3, 3, 3]
 
