@@ -224,14 +224,15 @@ def test_an_engine_that_dies_ends_the_run_in_one_line_or_is_restarted(tmp_path, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", [1, 2])
-def test_an_engine_killed_at_a_random_moment_is_restarted_and_the_run_finishes(tmp_path, monkeypatch, seed):
+@pytest.mark.parametrize("mode,seed", [("one_step", 1), ("stream", 2)])
+def test_an_engine_killed_at_a_random_moment_is_restarted_and_the_run_finishes(tmp_path, monkeypatch, mode, seed):
     """A timer kills the engine process somewhere in the run (generating, idle, being pushed to, evaluating)."""
     import threading
 
     from fastcov.trainer.rollout import staleness
 
-    real, timers = staleness.OneStepSource.draw, []
+    cls = staleness.OneStepSource if mode == "one_step" else staleness.StreamSource
+    real, timers = cls.draw, []
 
     def draw(self, s, n):
         if not timers:
@@ -240,8 +241,8 @@ def test_an_engine_killed_at_a_random_moment_is_restarted_and_the_run_finishes(t
             timers[0].start()
         return real(self, s, n)
 
-    monkeypatch.setattr(staleness.OneStepSource, "draw", draw)
-    run = train_mod.train(tiny(tmp_path, "run", "rollout.async=one_step", "trainer.max_steps=4", "trainer.eval_every=2",
+    monkeypatch.setattr(cls, "draw", draw)
+    run = train_mod.train(tiny(tmp_path, "run", f"rollout.async={mode}", "trainer.max_steps=4", "trainer.eval_every=2",
                                "rollout.engine_restarts=1"))
     timers[0].join()
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [0, 1, 2, 3, 4]
