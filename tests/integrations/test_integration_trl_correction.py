@@ -251,10 +251,7 @@ def test_gspo_vllm_ratio_and_off_policy_mask_equal_trl_on_two_processes(tmp_path
 @pytest.mark.parametrize("overrides,option", [
     (dict(loss_type="vespo", use_vllm=True, vllm_importance_sampling_mode="sequence_mask"),
      "vllm_importance_sampling_mode"),
-    (dict(importance_sampling_level="sequence", top_entropy_quantile=0.5), "top_entropy_quantile"),
-    (dict(loss_type="sapo", importance_sampling_level="sequence", top_entropy_quantile=0.5), "top_entropy_quantile"),
-    (dict(importance_sampling_level="sequence", delta=2.0), "delta"),
-    (dict(loss_type="sapo", fastcov_loss_mode="kl_cov"), "fastcov_loss_mode"),
+    (dict(loss_type="sapo", fastcov_loss_mode="clip_cov"), "fastcov_loss_mode"),
     (dict(use_vllm=True, vllm_importance_sampling_mode="token"), "vllm_importance_sampling_mode"),
     (dict(use_vllm=True, vllm_importance_sampling_clip_min=4.0), "vllm_importance_sampling_clip_min"),
     (dict(off_policy_mask_threshold=-0.1), "off_policy_mask_threshold"),

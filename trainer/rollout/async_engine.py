@@ -19,7 +19,7 @@ with the policy's current weights (``full_weights``, set by the run), then the f
 
 from __future__ import annotations
 
-import sys
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -34,6 +34,7 @@ from fastcov.trainer.rollout.engine_process import EngineDied, EngineProcess, Wo
 from fastcov.trainer.runtime.distributed import barrier
 from fastcov.trainer.runtime.weight_buckets import drain
 
+logger = logging.getLogger(__name__)
 Span = Callable[[str, str, float, float], None]  # (lane, phase, start, end), perf_counter seconds
 
 
@@ -164,7 +165,7 @@ class AsyncEngine(RolloutEngine):
         if self.restarts_left <= 0 or not isinstance(self.engine, EngineProcess) or self.full_weights is None:
             raise exc
         self.restarts_left -= 1
-        print(f"[fastcov] {exc}; restarting it ({self.restarts_left} restart(s) left)", file=sys.stderr, flush=True)
+        logger.warning(f"{exc}; restarting it ({self.restarts_left} restart(s) left)")
         self._acquire(push=True)
         try:
             self.engine.start()
