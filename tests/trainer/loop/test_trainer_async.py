@@ -288,6 +288,8 @@ def test_lora_adapters_reach_the_engine_process(tmp_path):
             train_mod.compute_old_logprobs(policy, seqs, cfg, 0, torch.device("cpu"))
             return max(abs(a - b) for s in seqs for a, b in zip(s.old_logprob, s.sample_logprob, strict=True))
 
+        seen["adapter_bytes"] = sum(p.numel() * p.element_size() for p in policy.policy.lm.parameters()
+                                    if p.requires_grad)
         seen["synced"] = gap(policy.weight_buckets(1.0, trainable_only=True))
         zeros = [(n, torch.zeros_like(t)) for b in policy.weight_buckets(1.0, trainable_only=True) for n, t in b
                  if is_adapter_param(n) and ".lora_B." in n]  # the adapters' B = 0: the base alone
@@ -295,7 +297,9 @@ def test_lora_adapters_reach_the_engine_process(tmp_path):
 
     cfg = tiny(tmp_path, "lora", "rollout.async=one_step", "model.lora_rank=8", "model.lora_alpha=16",
                "optim.lr=0.05", "trainer.max_steps=3", "trainer.eval_every=0")
-    train_mod.train(cfg, on_end=on_end)
+    run = train_mod.train(cfg, on_end=on_end)
+    # after the first push (base and adapters) each step's push is the adapters alone
+    assert [r["sync_bytes"] for r in read_metrics(run / "metrics.jsonl")] == [seen["adapter_bytes"]] * 3
     # fp32 on both sides: the engine's KV-cache decode and the trainer's fused full-sequence pass differ by rounding
     assert seen["synced"] < 1e-4, seen
     assert seen["base_only"] > 1e-2, seen  # the trained adapters move the log-probs by far more than that
