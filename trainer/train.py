@@ -37,7 +37,7 @@ from fastcov.losses import LossConfig, Selection, compute_global_selection, get_
 from fastcov.trainer import entropy_control
 from fastcov.trainer.config import Config, loss_config, rollout_correction_enabled
 from fastcov.trainer.rollout import SamplingParams
-from fastcov.trainer.rollout.base import sample_seed
+from fastcov.trainer.rollout.base import RolloutBatch, sample_seed
 from fastcov.trainer.rollout_correction import correct_rollouts
 from fastcov.trainer.runtime.batch import MicroBatch, Sequence, micro_batches, sequence_tensors
 from fastcov.trainer.runtime.checkpoint import publish_checkpoint, write_checkpoint
@@ -73,6 +73,21 @@ class Collected:
     times: dict[str, float]
 
 
+def generate_batch(cfg: Config, step: int, n_batches: int, sampler, train_set, rollout, sampling: SamplingParams,
+                   generator: torch.Generator, rank: int) -> tuple[list, list[list[int]], RolloutBatch]:
+    """The synchronous loop's batch ``n_batches`` of ``step`` on this rank: its prompts (the same global order on
+    every rank), ``rollout.n`` copies of each, generated now; returns (examples, prompts, the engine's output)."""
+    t, r = cfg.trainer, cfg.rollout
+    local = t.prompts_per_step // world_size()
+    batch_idx = sampler.next(t.prompts_per_step)  # same global order on every rank
+    examples = [train_set[i] for i in batch_idx[rank * local : (rank + 1) * local]]
+    prompts = [ex.prompt_ids for ex in examples for _ in range(r.n)]
+    if r.seeding == "per_sample":  # response j of global prompt g: its own seed, on any topology
+        first = (n_batches - 1) * t.prompts_per_step + rank * local
+        sampling.seeds = [sample_seed(t.seed, step, first + i // r.n, i % r.n) for i in range(len(prompts))]
+    return examples, prompts, rollout.generate(prompts, sampling, generator)
+
+
 def collect_rollouts(cfg: Config, step: int, sampler, train_set, rollout, reward_fn, tokenizer,
                      generator: torch.Generator, counters: dict, rank: int, device: torch.device,
                      ckpt_root: Path, source=None) -> Collected:
@@ -106,14 +121,8 @@ def collect_rollouts(cfg: Config, step: int, sampler, train_set, rollout, reward
                     drawn = source.draw(step, n_batches)
                     examples, prompts, out, version = drawn.examples, drawn.prompts, drawn.out, drawn.version
                 else:
-                    batch_idx = sampler.next(t.prompts_per_step)  # same global order on every rank
-                    examples = [train_set[i] for i in batch_idx[rank * local : (rank + 1) * local]]
-                    prompts = [ex.prompt_ids for ex in examples for _ in range(r.n)]
-                    if r.seeding == "per_sample":  # response j of global prompt g: its own seed, on any topology
-                        first = (n_batches - 1) * t.prompts_per_step + rank * local
-                        sampling.seeds = [sample_seed(t.seed, step, first + i // r.n, i % r.n)
-                                          for i in range(len(prompts))]
-                    out = rollout.generate(prompts, sampling, generator)
+                    examples, prompts, out = generate_batch(cfg, step, n_batches, sampler, train_set, rollout,
+                                                            sampling, generator, rank)
             except Exception as exc:
                 raise RolloutError(f"rollout engine failed at step {step}: {type(exc).__name__}: {exc}; the last "
                                    f"intact checkpoint is {last_intact(ckpt_root)}; resume with --resume") from exc

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import datetime
 import json
+import logging
 import os
 import signal
 import sys
@@ -16,6 +17,7 @@ import traceback
 from types import SimpleNamespace
 
 PR_SET_PDEATHSIG = 1
+logger = logging.getLogger("fastcov.trainer.rollout.engine_worker")  # fastcov's handler: ``import fastcov``
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -110,8 +112,7 @@ def main(argv: list[str]) -> int:
     try:
         serve(channel, engine)
     except RuntimeError as exc:  # the channel broke: the trainer is gone
-        print(f"[fastcov] engine worker (rank {spec['rank']}): the trainer went away: {str(exc).splitlines()[0]}",
-              file=sys.stderr, flush=True)
+        logger.warning(f"engine worker (rank {spec['rank']}): the trainer went away: {str(exc).splitlines()[0]}")
         return 1
     return 0
 

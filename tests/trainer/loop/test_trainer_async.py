@@ -225,26 +225,37 @@ def test_an_engine_that_dies_ends_the_run_in_one_line_or_is_restarted(tmp_path, 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode,seed", [("one_step", 1), ("stream", 2)])
-def test_an_engine_killed_at_a_random_moment_is_restarted_and_the_run_finishes(tmp_path, monkeypatch, mode, seed):
-    """A timer kills the engine process somewhere in the run (generating, idle, being pushed to, evaluating)."""
+def test_an_engine_killed_at_a_random_moment_is_restarted_and_the_run_finishes(tmp_path, monkeypatch, capsys, mode,
+                                                                              seed):
+    """A timer kills the engine process somewhere in the run (generating, idle, being pushed to, evaluating); the
+    last step waits for it, so the kill lands while the run still has a generation, a push and an evaluation to go."""
     import threading
 
     from fastcov.trainer.rollout import staleness
 
     cls = staleness.OneStepSource if mode == "one_step" else staleness.StreamSource
-    real, timers = cls.draw, []
+    real, timers, killed = cls.draw, [], []
+
+    def kill(pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+        except ProcessLookupError:  # the engine had already gone: the test would prove nothing
+            pass
 
     def draw(self, s, n):
         if not timers:
-            pid = self.engine.engine.pid
-            timers.append(threading.Timer(random.Random(seed).uniform(0.0, 1.5), os.kill, (pid, signal.SIGKILL)))
+            timers.append(threading.Timer(random.Random(seed).uniform(0.0, 1.5), kill, (self.engine.engine.pid,)))
             timers[0].start()
+        if s == 4:
+            timers[0].join()
         return real(self, s, n)
 
     monkeypatch.setattr(cls, "draw", draw)
     run = train_mod.train(tiny(tmp_path, "run", f"rollout.async={mode}", "trainer.max_steps=4", "trainer.eval_every=2",
                                "rollout.engine_restarts=1"))
-    timers[0].join()
+    assert len(killed) == 1
+    assert "restarting it (0 restart(s) left)" in capsys.readouterr().err
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [0, 1, 2, 3, 4]
     assert not engine_processes(run)
 
