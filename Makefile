@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo demo-real study study-selection study-controllers lint docs docs-serve test test-fast test-multinode test-verl test-vllm test-vllm-api bench compile-report clean
+.PHONY: demo demo-real study study-selection study-controllers study-async lint docs docs-serve test test-fast test-multinode test-verl test-vllm test-vllm-api bench compile-report clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -148,6 +148,14 @@ study-controllers: $(STAMP)
 	@if ! $(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
 		export DS_ACCELERATOR=cpu; fi; \
 	$(PY) -m fastcov.trainer.study configs/studies/controllers.yaml --jobs $(STUDY_JOBS) $(STUDY_ARGS)
+
+# Entropy under staleness (issue 57): GRPO, Clip-Cov, KL-Cov trained on batches 0, 1 and 4 policy versions old
+# (rollout.async off / one_step / one_step four batches ahead) with the rollout correction, KL-Cov at 4 also without it and
+# in bypass mode; 3 seeds: runs/study-async/report.md (docs/async.md). STUDY_ARGS="--report-only" rewrites the report.
+study-async: $(STAMP)
+	@if ! $(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
+		export DS_ACCELERATOR=cpu; fi; \
+	$(PY) -m fastcov.trainer.study configs/studies/async.yaml --jobs $(STUDY_JOBS) $(STUDY_ARGS)
 
 clean:
 	rm -rf $(VENV) $(VERL_VENV) $(VLLM_VENV) build site *.egg-info .pytest_cache

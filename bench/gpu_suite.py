@@ -131,7 +131,9 @@ TRAIN_FULL = [f"model.arch={QWEN25_15B_ARCH}", "model.gradient_checkpointing=tru
 TRAIN_SMOKE: list[str] = []  # tiny.yaml's model and batch as they are
 # the extra part's training steps: the train part's run with the optimizer offloaded, then with LoRA adapters
 TRAIN_EXTRA = {"offload": ["trainer.offload_optimizer=true"],
-               "lora": ["model.lora_rank=16", "model.lora_alpha=32", "model.lora_dropout=0.0"]}
+               "lora": ["model.lora_rank=16", "model.lora_alpha=32", "model.lora_dropout=0.0"],
+               # the HF engine in its own process on the same GPU, generating while the policy trains (docs/async.md)
+               "one_step": ["rollout.async=one_step"]}
 
 
 def log(msg: str) -> None:
@@ -770,7 +772,8 @@ def part_trainer(s: Suite) -> None:
 
 def part_extra(s: Suite) -> None:
     """What runs only when time is left: the kernels at N 65536, then a training step with the optimizer
-    offloaded and one with LoRA adapters (each beside the plan's estimate, like the train part)."""
+    offloaded, one with LoRA adapters and one with asynchronous rollouts (each beside the plan's estimate, like the
+    train part)."""
     name, preset, extra = EXTRA_KERNELS[s.size]
     kernels_run(s, "extra", name, preset, extra)
     if s.size == "full" and not torch.cuda.is_available():

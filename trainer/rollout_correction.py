@@ -18,6 +18,9 @@ def correct_rollouts(seqs: list[Sequence], cfg: Config, device: torch.device) ->
     drop a token. Returns the ``rollout_corr/*`` metrics (verl's names) over all ranks: token-weighted means of
     the ranks' values, and the maximum / minimum of the ranks' ``*_max`` / ``*_min``. Every rank must call it.
 
+    ``algo.rollout_correction.bypass`` (verl's bypass mode): the weights are the masks alone and ``old_logprob``
+    becomes the rollout's log-probs, so the PPO ratio is π / π_rollout; the importance metrics are still logged.
+
     The weights are per sequence (no statistic crosses sequences), so they do not depend on the number of ranks
     or the micro-batch split, and they multiply the per-token loss after the Clip-Cov/KL-Cov selection: they do
     not change which tokens are selected (a rejected token stays in the denominators and may be selected).
@@ -39,17 +42,26 @@ def correct_rollouts(seqs: list[Sequence], cfg: Config, device: torch.device) ->
     log_ratio = old - sampled
     weights, metrics = rollout_correction(log_ratio, mask, level=rc.level, mode=rc.mode, clip_max=rc.clip_max,
                                           clip_min=rc.clip_min)
+    keep_masks = []
     if rc.rejection is not None:
         keep, rs_metrics = rollout_rejection(log_ratio, mask, rc.rejection, rc.rejection_threshold)
         weights, metrics = weights * keep, {**metrics, **rs_metrics}
+        keep_masks.append(keep)
     if rc.off_policy_mask_threshold is not None:
         keep, op_metrics = off_policy_sequence_mask(log_ratio, per_seq["advantages"].to(log_ratio.dtype), mask,
                                                     rc.off_policy_mask_threshold)
         weights, metrics = weights * keep, {**metrics, **op_metrics}
+        keep_masks.append(keep)
     metrics.update(mismatch_metrics(old, sampled, mask))
+    if rc.bypass:  # verl's bypass mode: the ratio against the rollout holds the importance weight; masks stay
+        weights = torch.ones_like(weights)
+        for keep in keep_masks:
+            weights = weights * keep
     if n_tokens:
         for i, s in enumerate(seqs):
             s.rollout_weight = weights[i, : len(s.response)].float().tolist()
+            if rc.bypass:
+                s.old_logprob = list(s.sample_logprob)
     names = sorted(metrics)
     values = [float(metrics[k]) for k in names]
     sums = all_sum([n_tokens] + [v * n_tokens for v in values], device)

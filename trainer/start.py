@@ -36,7 +36,7 @@ from fastcov.trainer.rollout.vllm_api import check_vllm_version
 from fastcov.trainer.runtime.checkpoint import CheckpointError, fsync_path, load_checkpoint
 from fastcov.trainer.runtime.dependencies import check_optional_packages
 from fastcov.trainer.runtime.distributed import init_distributed, pick_device
-from fastcov.trainer.runtime.errors import user_error
+from fastcov.trainer.runtime.errors import RolloutError, last_intact, user_error
 from fastcov.trainer.runtime.gguf import convert_for_run
 from fastcov.trainer.runtime.lora import count_parameters
 from fastcov.trainer.runtime.model import PolicyModel, build_model, check_model_source, load_tokenizer, use_liger
@@ -52,6 +52,7 @@ from fastcov.trainer.runtime.run_dir import (
     trim_metrics,
 )
 from fastcov.trainer.runtime.run_log import open_run_files
+from fastcov.trainer.timeline import close_timeline, open_timeline, timeline_span
 from fastcov.trainer.token_level.advantages import make_token_advantages
 
 logger = logging.getLogger(__name__)
@@ -116,6 +117,8 @@ class Run:
     warned: dict[str, bool] = field(default_factory=lambda: {"empty_band": False})
     last_save: float = field(default_factory=lambda: time.monotonic())  # for trainer.save_every_minutes
     synced: bool = False  # a first weight sync has happened (LoRA: later ones send the adapters only)
+    source: Any = None  # rollout.async: where the batches come from (trainer/rollout/staleness.py); None when off
+    pushed: bool = False  # rollout.async: the engine has had a push (the first one is never skipped)
 
     @property
     def ckpt_root(self) -> Path:
@@ -123,9 +126,22 @@ class Run:
 
     def sync_weights(self) -> int | None:
         """Policy weights -> rollout engine. LoRA: everything once, then the adapters only; returns the
-        bytes sent (None without LoRA)."""
+        bytes sent (None without LoRA). Asynchronous rollouts: when the source says a push is due (first the
+        batch in flight finishes with the old weights), the engine then holding this step's weights."""
+        if self.source is None:
+            return self._push({})
+        if self.pushed and not self.source.push_due(self.step):
+            return None
+        with engine_failure(self):
+            self.source.before_push(self.step)
+            if self.source.engine.restarted:  # a restarted engine process holds some step's weights: LoRA resends all
+                self.synced, self.source.engine.restarted = False, False
+            self.pushed = True
+            return self._push({"version": self.step})
+
+    def _push(self, push: dict) -> int | None:
         if not self.engine.frozen_base:
-            self.rollout.update_weights(self.engine.weight_buckets(self.cfg.rollout.sync_bucket_mb))
+            self.rollout.update_weights(self.engine.weight_buckets(self.cfg.rollout.sync_bucket_mb), **push)
             return None
         sent = [0]
 
@@ -135,13 +151,14 @@ class Run:
                 yield bucket
 
         self.rollout.update_weights(counted(self.engine.weight_buckets(
-            self.cfg.rollout.sync_bucket_mb, trainable_only=self.synced)))
+            self.cfg.rollout.sync_bucket_mb, trainable_only=self.synced)), **push)
         self.synced = True
         return sent[0]
 
     def evaluate(self, step: int) -> dict:
-        return evaluate(self.rollout, self.val_set, self.reward_fn, self.tokenizer, self.cfg, self.rank,
-                        self.world, self.device, step)
+        with engine_failure(self):
+            return evaluate(self.rollout, self.val_set, self.reward_fn, self.tokenizer, self.cfg, self.rank,
+                            self.world, self.device, step)
 
     def log_durably(self, rec: dict) -> None:
         """One metrics row, flushed and fsynced (before the step's checkpoint can be published)."""
@@ -150,10 +167,30 @@ class Run:
             fsync_path(self.logger.path)
 
     def trainer_state(self) -> dict:
-        return {"step": self.step, "sampler": self.sampler.state_dict(), "counters": self.counters,
+        sampler = self.source.sampler_state() if self.source is not None else self.sampler.state_dict()
+        return {"step": self.step, "sampler": sampler, "counters": self.counters,
                 "lambda": self.lam_sched.state_dict() if self.lam_sched is not None else None, "world": self.world,
-                **({"entropy_control": self.entropy_ctl.state_dict()} if self.entropy_ctl is not None else {})}
+                **({"entropy_control": self.entropy_ctl.state_dict()} if self.entropy_ctl is not None else {}),
+                **({"async": self.source.state()} if self.source is not None else {})}
 
+    def eval_due(self, step: int) -> bool:
+        """Whether the loop evaluates after ``step`` (end_step's rule)."""
+        t = self.cfg.trainer
+        return bool(t.eval_every and self.val_set and (step % t.eval_every == 0 or step == t.max_steps))
+
+
+
+@contextlib.contextmanager
+def engine_failure(run: Run):
+    """An asynchronous run's engine process that dies during a push or an evaluation: one line with the step and
+    the last intact checkpoint (a death during the rollouts is said by collect_rollouts)."""
+    from fastcov.trainer.rollout.engine_process import EngineDied
+
+    try:
+        yield
+    except EngineDied as exc:
+        raise RolloutError(f"rollout engine failed at step {run.step}: {exc}; the last intact checkpoint is "
+                           f"{last_intact(run.ckpt_root)}; resume with --resume") from None
 
 
 def start_run(cfg: Config, resume, overwrite: bool, closing: contextlib.ExitStack) -> Run:
@@ -171,11 +208,16 @@ def start_run(cfg: Config, resume, overwrite: bool, closing: contextlib.ExitStac
               positive_weight_schedule(a) if a.pos_weight.enabled else None,  # Jin et al.'s λ
               {"skipped_steps": 0, "filtered_groups": 0, "reward_timeouts": 0})
     run.entropy_ctl = entropy_control.start(a, rank)  # algo.entropy_control (None when off); KL-Cov's warning
+    if cfg.rollout.async_mode != "off":
+        run.source = start_source(run, closing)
     if resume_path is not None:
         _resume(run, resume_path)
     if rank == 0:
         run.logger = open_run_files(run.run_dir, cfg.to_dict(), t, run.step if resume_path is not None else None,
                                     closing)
+        if t.timeline:
+            open_timeline(run.run_dir / "timeline.jsonl")
+            closing.callback(close_timeline)
         logger.info(f"run {run.run_dir}: {len(train_set)} train / {len(val_set)} val prompts "
                     f"({json.dumps(data_stats)}), world {world}, device {device}, zero {t.zero_stage}, "
                     f"mode {a.mode}")
@@ -280,12 +322,34 @@ def build_policy(cfg: Config, device: torch.device, rank: int, world: int, token
 def build_rollout(cfg: Config, engine: DeepSpeedPolicy, device: torch.device, rank: int, world: int, tokenizer,
                   closing: contextlib.ExitStack) -> tuple[RolloutEngine, RewardTask]:
     """(rollout engine, reward function); the reward function's workers close with ``closing``."""
-    # the HF engine samples from the policy's own module (ZeRO 0-2) or one empty copy per node (ZeRO-3)
-    rollout = make_rollout_engine(cfg, engine.policy.lm, tokenizer, device=device, rank=rank, world=world,
-                                  zero_stage=cfg.trainer.zero_stage)
+    if cfg.rollout.async_mode != "off":  # beside the trainer: the HF engine's own process, or vLLM servers
+        from fastcov.trainer.rollout.async_engine import make_async_engine
+
+        rollout: RolloutEngine = make_async_engine(cfg, engine.policy.lm, tokenizer, device=device, rank=rank,
+                                                   world=world, run_dir=Path(cfg.trainer.run_dir),
+                                                   on_span=timeline_span if rank == 0 else None)
+        closing.callback(rollout.close)
+    else:
+        # the HF engine samples from the policy's own module (ZeRO 0-2) or one empty copy per node (ZeRO-3)
+        rollout = make_rollout_engine(cfg, engine.policy.lm, tokenizer, device=device, rank=rank, world=world,
+                                      zero_stage=cfg.trainer.zero_stage)
     reward_fn = REWARD_TASKS.get(cfg.reward.task)(cfg.reward)  # math: \boxed{} answers; code: a sandbox
     closing.callback(reward_fn.close)
     return rollout, reward_fn
+
+
+def start_source(run: Run, closing: contextlib.ExitStack):
+    """rollout.async: the source of the run's batches (trainer/rollout/staleness.py); a dead engine process is
+    restarted with the policy's whole weights."""
+    from fastcov.trainer.rollout.async_engine import AsyncEngine
+    from fastcov.trainer.rollout.staleness import make_source
+
+    engine = run.rollout
+    assert isinstance(engine, AsyncEngine), type(engine)  # build_rollout's, for rollout.async
+    source = make_source(run.cfg, engine, run.sampler, run.train_set, run.rank, run.counters, run.device, run.eval_due)
+    engine.full_weights = lambda: run.engine.weight_buckets(run.cfg.rollout.sync_bucket_mb)
+    closing.callback(source.close)
+    return source
 
 
 def _resume(run: Run, path: Path) -> None:
@@ -299,6 +363,9 @@ def _resume(run: Run, path: Path) -> None:
             run.lam_sched.load_state_dict(state["lambda"])
         if run.entropy_ctl is not None:
             run.entropy_ctl.load_state_dict(state["entropy_control"])
+        if run.source is not None:
+            run.source.load_state(state.get("async"))
+            run.source.load(path, run.step)  # one_step: this rank's finished batch of the next step
     except (ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"--resume: {str(path)!r} does not fit this run's config or data "
                               f"({type(exc).__name__}: {one_line(exc)})") from None

@@ -18,6 +18,7 @@ import torch
 from fastcov.trainer import entropy_control
 from fastcov.trainer.runtime.distributed import all_reduce_, all_sum
 from fastcov.trainer.start import Run
+from fastcov.trainer.timeline import timeline_span
 
 # policy_loss metrics averaged over the update's tokens; its "entropy" is logged as "update_entropy"
 # ("entropy" is the rollout-token mean of the pre-update policy).
@@ -48,7 +49,9 @@ def timed(times: dict[str, float], key: str) -> Iterator[None]:
     """Adds the wall time of the ``with`` block to ``times[key]`` (a phase run several times a step adds up)."""
     t0 = time.perf_counter()
     yield
-    times[key] = times.get(key, 0.0) + time.perf_counter() - t0
+    t1 = time.perf_counter()
+    times[key] = times.get(key, 0.0) + t1 - t0
+    timeline_span("trainer", key, t0, t1)
 
 
 def step_metrics(run: Run, rewards: list[float], prompts: list[list[int]], token_ids: list[list[int]],
@@ -57,6 +60,8 @@ def step_metrics(run: Run, rewards: list[float], prompts: list[list[int]], token
     ``rewards``, ``prompts``, ``token_ids``: everything this rank generated this step (kept or not);
     ``old``: ``compute_old_logprobs``'s sums; ``lr``: the update's learning rate."""
     cfg, a = run.cfg, run.cfg.algo
+    # rollout.async: staleness, queue depth (its dropped samples go into the counters logged below)
+    async_rec = run.source.step_metrics() if run.source is not None else {}
     resp_lens = [len(x) for x in token_ids]
     (r_sum, r_n, len_sum, e_sum, tk_sum, d_sum, p_sum, m_n, l_sum) = all_sum(
         [sum(rewards), len(rewards), sum(resp_lens), *old[:3], sum(len(p) for p in prompts),
@@ -73,7 +78,7 @@ def step_metrics(run: Run, rewards: list[float], prompts: list[list[int]], token
         "lr": lr, "grad_norm": float(np.mean(upd.grad_norms)) if upd.grad_norms else None,
         "applied_steps": upd.applied_steps,
         **{LOSS_METRIC_NAMES.get(k, k): v / max(m_n, 1) for k, v in zip(LOSS_METRICS, mvals, strict=True)},
-        **run.counters,
+        **run.counters, **async_rec,
     })
     sel = rec["selected_frac"]
     if a.mode == "clip_cov" and sel == 0 and run.rank == 0 and not run.warned["empty_band"]:

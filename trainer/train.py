@@ -37,7 +37,7 @@ from fastcov.losses import LossConfig, Selection, compute_global_selection, get_
 from fastcov.trainer import entropy_control
 from fastcov.trainer.config import Config, loss_config, rollout_correction_enabled
 from fastcov.trainer.rollout import SamplingParams
-from fastcov.trainer.rollout.base import sample_seed
+from fastcov.trainer.rollout.base import RolloutBatch, sample_seed
 from fastcov.trainer.rollout_correction import correct_rollouts
 from fastcov.trainer.runtime.batch import MicroBatch, Sequence, micro_batches, sequence_tensors
 from fastcov.trainer.runtime.checkpoint import publish_checkpoint, write_checkpoint
@@ -50,6 +50,7 @@ from fastcov.trainer.runtime.policy import lr_at
 from fastcov.trainer.runtime.run_dir import save_is_due
 from fastcov.trainer.start import Run, StopFlag, start_run
 from fastcov.trainer.step_metrics import LOSS_METRICS, SELECTION_DIAGNOSTICS, UpdateStats, step_metrics, timed
+from fastcov.trainer.timeline import flush_timeline
 from fastcov.trainer.token_level.advantages import prime_keep
 
 logger = logging.getLogger(__name__)
@@ -72,9 +73,24 @@ class Collected:
     times: dict[str, float]
 
 
+def generate_batch(cfg: Config, step: int, n_batches: int, sampler, train_set, rollout, sampling: SamplingParams,
+                   generator: torch.Generator, rank: int) -> tuple[list, list[list[int]], RolloutBatch]:
+    """The synchronous loop's batch ``n_batches`` of ``step`` on this rank: its prompts (the same global order on
+    every rank), ``rollout.n`` copies of each, generated now; returns (examples, prompts, the engine's output)."""
+    t, r = cfg.trainer, cfg.rollout
+    local = t.prompts_per_step // world_size()
+    batch_idx = sampler.next(t.prompts_per_step)  # same global order on every rank
+    examples = [train_set[i] for i in batch_idx[rank * local : (rank + 1) * local]]
+    prompts = [ex.prompt_ids for ex in examples for _ in range(r.n)]
+    if r.seeding == "per_sample":  # response j of global prompt g: its own seed, on any topology
+        first = (n_batches - 1) * t.prompts_per_step + rank * local
+        sampling.seeds = [sample_seed(t.seed, step, first + i // r.n, i % r.n) for i in range(len(prompts))]
+    return examples, prompts, rollout.generate(prompts, sampling, generator)
+
+
 def collect_rollouts(cfg: Config, step: int, sampler, train_set, rollout, reward_fn, tokenizer,
                      generator: torch.Generator, counters: dict, rank: int, device: torch.device,
-                     ckpt_root: Path) -> Collected:
+                     ckpt_root: Path, source=None) -> Collected:
     """Steps 1-3: sample prompts, generate ``rollout.n`` responses each, score them, compute advantages
     and drop the groups the filters reject (DAPO: all rewards equal; PRIME: accuracy out of band).
 
@@ -82,6 +98,8 @@ def collect_rollouts(cfg: Config, step: int, sampler, train_set, rollout, reward
     ``prompts_per_step`` groups are kept (verl's dynamic sampling): the first ``prompts_per_step`` kept
     groups in generation order are trained on; a step still short after ``max_gen_batches`` batches
     trains on what it has. Advantages are computed per generated batch. Every rank must call it.
+    ``source``: rollout.async's (trainer/rollout/staleness.py), which hands out the generated batches instead
+    (the "rollout" time is then the wait for them) and is told when the step's rollouts are collected.
     """
     t, a, r = cfg.trainer, cfg.algo, cfg.rollout
     world = world_size()
@@ -94,17 +112,17 @@ def collect_rollouts(cfg: Config, step: int, sampler, train_set, rollout, reward
     pending: dict[int, list[Sequence]] = {}
     all_prompts, all_ids, all_rewards = [], [], []
     n_batches = 0
+    version = None
     while True:
         n_batches += 1
         with timed(times, "rollout"):
-            batch_idx = sampler.next(t.prompts_per_step)  # same global order on every rank
-            examples = [train_set[i] for i in batch_idx[rank * local : (rank + 1) * local]]
-            prompts = [ex.prompt_ids for ex in examples for _ in range(r.n)]
-            if r.seeding == "per_sample":  # response j of global prompt g: its own seed, on any topology
-                first = (n_batches - 1) * t.prompts_per_step + rank * local
-                sampling.seeds = [sample_seed(t.seed, step, first + i // r.n, i % r.n) for i in range(len(prompts))]
             try:
-                out = rollout.generate(prompts, sampling, generator)
+                if source is not None:
+                    drawn = source.draw(step, n_batches)
+                    examples, prompts, out, version = drawn.examples, drawn.prompts, drawn.out, drawn.version
+                else:
+                    examples, prompts, out = generate_batch(cfg, step, n_batches, sampler, train_set, rollout,
+                                                            sampling, generator, rank)
             except Exception as exc:
                 raise RolloutError(f"rollout engine failed at step {step}: {type(exc).__name__}: {exc}; the last "
                                    f"intact checkpoint is {last_intact(ckpt_root)}; resume with --resume") from exc
@@ -136,12 +154,14 @@ def collect_rollouts(cfg: Config, step: int, sampler, train_set, rollout, reward
             if keep[g]:
                 pending.setdefault(group_id(g), []).append(Sequence(
                     prompts[i], out.token_ids[i], out.logprobs[i], group_id(g),
-                    reward=local_rewards[i], advantage=float(adv[g, i % r.n])))
+                    reward=local_rewards[i], advantage=float(adv[g, i % r.n]), policy_version=version))
         all_prompts += prompts
         all_ids += out.token_ids
         all_rewards += local_rewards
         if len(kept) >= t.prompts_per_step or (limit > 0 and n_batches >= limit):
             break
+    if source is not None:
+        source.collected(step)  # one_step: the next step's batch starts generating
     chosen = sorted(kept[: t.prompts_per_step])
     seqs = [s for gid in chosen for s in pending.get(gid, [])]
     return Collected(seqs, chosen, all_prompts, all_ids, all_rewards, sum(len(x) for x in all_ids), n_batches, times)
@@ -289,8 +309,9 @@ def update_policy(engine, seqs: list[Sequence], kept_groups: list[int], cfg: Con
             mbs = micro_batches(mini, pad_id=pad_id, device=device, **batching(cfg, engine))
             selection, rollout_weights = None, mini_batch_weights(mini, device)
             if global_scope and needs_selection:
+                # bypass: old_logprob is the rollout's, not the current policy's (a forward gives those)
                 selection = mini_batch_selection(engine, mini, mbs, cfg, loss_cfg, device, generator, group,
-                                                 reuse_old=epoch == 0 and m == 0)
+                                                 reuse_old=epoch == 0 and m == 0 and not a.rollout_correction.bypass)
                 stats.metric_sums["selected_pos"] = (stats.metric_sums.get("selected_pos", 0.0)
                                                      + selected_position_sum(selection.cov, mini))
             poisoned = False
@@ -392,6 +413,8 @@ def end_step(run: Run, rec: dict, col: Collected, tokens: float, t_step: float, 
                                            run.rank)
                 if run.token_adv is not None and run.token_adv.prm is not None and run.rank == 0:
                     run.token_adv.prm.save(pending)  # identical on every rank (averaged gradients)
+                if run.source is not None:
+                    run.source.save(pending)  # rollout.async one_step: this rank's finished batch of the next step
             run.last_save = time.monotonic()
     dt = time.perf_counter() - t_step
     rec.update({f"time/{k}": v for k, v in times.items()})
@@ -399,6 +422,7 @@ def end_step(run: Run, rec: dict, col: Collected, tokens: float, t_step: float, 
                 "tokens_per_s/rollout": all_sum([float(col.n_generated)], run.device)[0] / max(times["rollout"], 1e-9)})
     with run_io(run, f"the metrics row of step {step}"):
         run.log_durably(rec)
+        flush_timeline(step)  # trainer.timeline: the step's phase spans
         if pending is not None:
             publish_checkpoint(pending, t.keep_last, run.rank)
     if run.pbar is not None:
@@ -445,7 +469,7 @@ def _train(cfg: Config, resume, stop_at, on_end, closing: contextlib.ExitStack, 
             # 1-3. rollouts, rewards, advantages (with DAPO's filter: refills until prompts_per_step groups)
             col = collect_rollouts(cfg, run.step, run.sampler, run.train_set, run.rollout, run.reward_fn,
                                    run.tokenizer, run.gens["sample"], run.counters, run.rank, run.device,
-                                   run.ckpt_root)
+                                   run.ckpt_root, source=run.source)
             rec: dict = {"step": run.step, "kept_groups": len(col.kept_groups), "gen_batches": col.gen_batches}
             upd, old, lr = logprobs_update_sync(run, col, rec)  # 4-6. old log-probs, update, weight sync
             tokens = step_metrics(run, col.rewards, col.prompts, col.token_ids, upd, old, lr, rec)  # 7. metrics

@@ -6,7 +6,9 @@
 - the master host dies mid-run (SIGKILL: rank 0, the run directory's lock, torchrun's store): the other
   exits 1 at once with one line naming the lost rank and the last intact checkpoint, no traceback;
   ``--resume`` on both hosts then finishes the run;
-- host b freezes (SIGSTOP): host a exits the same way once ``trainer.collective_timeout_s`` is up.
+- host b freezes (SIGSTOP): host a exits the same way once ``trainer.collective_timeout_s`` is up;
+- ``rollout.async=one_step`` (docs/async.md): each rank's HF engine in a process of its own on that rank's host, and
+  the run equals the same run on one host with two ranks, bit for bit.
 """
 
 from __future__ import annotations
@@ -79,6 +81,27 @@ def test_two_hosts_train_and_match_one_host(two_hosts, tmp_path):
     assert w2.keys() == w1.keys()
     for name in w2:
         assert w2[name].dtype == w1[name].dtype and bool((w2[name] == w1[name]).all()), name
+
+
+def test_async_one_step_on_two_hosts_matches_one_host(two_hosts, tmp_path):
+    extra = ["rollout.async=one_step", "trainer.eval_every=2"]
+    run2 = tmp_path / "two-hosts"
+    wait_ok(*two_hosts.launch_both(run_args(run2, *extra)))
+    run1 = tmp_path / "one-host"
+    wait_ok(two_hosts.launch(two_hosts.a, run_args(run1, *extra), nnodes=1, nproc=2, port=29503, tag="-2ranks"))
+    rows2, rows1 = metrics(run2), metrics(run1)
+    assert [r["step"] for r in rows2] == [0, 1, 2, 3, 4]
+    assert [r["async/staleness_max"] for r in rows2[1:]] == [0, 1, 1, 1]  # one version behind from step 2
+
+    def same(row):  # the queue depth is timing, not the run
+        return {k: v for k, v in comparable(row).items() if k != "async/queue_depth"}
+
+    assert [same(r) for r in rows2] == [same(r) for r in rows1]
+    w2, w1 = weights(run2), weights(run1)
+    for name in w2:
+        assert bool((w2[name] == w1[name]).all()), name
+    for run in (run2, run1):  # an engine process per rank, started and stopped by it
+        assert sorted(p.name for p in (run / "engine").glob("rank*.log")) == ["rank0.log", "rank1.log"]
 
 
 def lose_host(two_hosts, run: Path, victim: str, sig: int, timeout_s: int) -> tuple[str, Path]:

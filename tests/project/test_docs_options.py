@@ -23,11 +23,11 @@ from typing import Any, Literal
 import pytest
 import yaml
 
-from fastcov.trainer.config import Config
+from fastcov.trainer.config import Config, config_key
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ("README.md", "docs/trainer.md", "docs/training.md", "docs/lora.md", "docs/scale-out.md", "docs/results.md",
-        "docs/library.md", "docs/frameworks.md", "docs/getting-started.md", "docs/benchmarks.md")
+        "docs/library.md", "docs/frameworks.md", "docs/getting-started.md", "docs/benchmarks.md", "docs/async.md")
 SECTIONS = tuple(f.name for f in dataclasses.fields(Config))
 # Dotted names in the docs that start like an option and are not one, on purpose.
 NOT_OPTIONS = {
@@ -88,10 +88,10 @@ def resolve(key: str) -> tuple[dataclasses.Field, Any] | None:
     for part in key.split("."):
         if cls is None:
             return None
-        fields = {f.name: f for f in dataclasses.fields(cls)}
+        fields = {config_key(f): f for f in dataclasses.fields(cls)}  # the YAML key (rollout.async: async_mode)
         if part not in fields:
             return None
-        tp = typing.get_type_hints(cls)[part]
+        tp = typing.get_type_hints(cls)[fields[part].name]
         found = fields[part], tp
         cls = tp if dataclasses.is_dataclass(tp) else None
     return found

@@ -86,3 +86,25 @@ def test_a_head_size_vllms_cpu_build_lacks_is_one_line_before_the_engine_starts(
     assert last.startswith("fastcov train: model.arch: head_dim 16 (hidden_size 32 / 2 heads) is not one vLLM's CPU "
                            "attention takes; it takes 32, 64"), proc.stderr[-4000:]
     assert "Traceback" not in proc.stderr and "init engine" not in proc.stderr, proc.stderr[-4000:]
+
+
+@pytest.mark.parametrize("mode", ["one_step", "stream"])
+def test_asynchronous_rollouts_against_a_server_then_resume(mode, tmp_path):
+    """rollout.async against vLLM's own server (docs/async.md): generations from the trainer's background thread,
+    pushes between them; from step 2 on the batches are one version old, so the rollout/policy gap is staleness plus
+    bf16, not bf16 alone; a resume finishes the run."""
+    run_dir = tmp_path / "run"
+    with vllm_server(tiny_model_dir(tmp_path / "model"), tmp_path / "server.log") as (url, proc):
+        extra = ["rollout.vllm_mode=server", f"rollout.vllm_server_urls=[{url}]", f"rollout.async={mode}"]
+        train(run_dir, 2, extra)
+        log = train(run_dir, 3, extra, resume=True)
+    assert proc.stopped_cleanly
+    assert "resumed from" in log and "step_000002" in log
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    trained = [r for r in rows if r.get("step", 0) > 0]
+    assert [r["step"] for r in trained] == [1, 2, 3]
+    assert trained[0]["async/staleness_max"] == 0 and all(r["async/staleness_max"] <= 1 for r in trained)
+    assert trained[0]["rollout_logprob_diff_max"] <= MISMATCH_MAX  # on-policy: bf16 parity
+    for r in trained:
+        assert all(math.isfinite(v) for k, v in r.items() if k.startswith("rollout_corr/")), r
+        assert r["async/generated_tokens"] > 0

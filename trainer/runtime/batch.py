@@ -45,6 +45,8 @@ class Sequence:
     # Per-response-token loss weights of the rollout correction (algo.rollout_correction), set after
     # ``old_logprob``; None: no correction.
     rollout_weight: list[float] | None = None
+    # rollout.async: the step whose weights drew it (the engine's version); None: drawn by the policy as it is.
+    policy_version: int | None = None
 
     def __len__(self) -> int:
         return len(self.prompt) + len(self.response)

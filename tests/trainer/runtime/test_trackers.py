@@ -39,8 +39,10 @@ def test_a_run_writes_tensorboard_event_files_with_the_metrics(tmp_path):
         assert scalars.keys() == logged.keys(), key
         for step, value in logged.items():  # TensorBoard stores float32: a relative 2^-24
             assert math.isclose(scalars[step], value, rel_tol=2**-23, abs_tol=1e-30), (key, step)
-    hparams = [d for d in (run / "tensorboard").iterdir() if d.is_dir()]  # the run config as hyperparameters
-    assert hparams and "algo.mode: clip_cov" in (hparams[0] / "hparams.yml").read_text()
+    # the run config as hyperparameters: accelerate writes hparams.yml into a directory of its own, beside the one
+    # of add_hparams' event file (both named by time.time(), so their listing order is arbitrary)
+    hparams = [d / "hparams.yml" for d in (run / "tensorboard").iterdir() if (d / "hparams.yml").is_file()]
+    assert len(hparams) == 1 and "algo.mode: clip_cov" in hparams[0].read_text()
 
 
 @pytest.mark.parametrize("old,report_to", [("trainer.tensorboard=true", ["tensorboard"]),
