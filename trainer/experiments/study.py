@@ -204,15 +204,7 @@ def main(argv: list[str] | None = None) -> int:
             timings = {a: sum(_seconds_of(run_dirs[(a, sd)]) for sd in seeds) for a in arms}
     else:
         kept = {key: run_dir(*key) for key in runs if args.resume and _finished(run_dir(*key), cfgs[key])}
-        if kept:
-            print(f"[study] --resume: {len(kept)} of {len(runs)} runs finished in {out}, kept: "
-                  + ", ".join(f"{a}/seed{sd}" if multi else a for a, sd in kept), flush=True)
-        todo = [key for key in runs if key not in kept]
-        run_dirs, timings = train_runs(todo, cfgs, multi, max(1, args.jobs), train) if todo else ({}, {})
-        for (a, sd), d in kept.items():  # a kept run's seconds: its steps' own time, as --report-only counts them
-            run_dirs[(a, sd)] = d
-            timings[a] = timings.get(a, 0.0) + _seconds_of(d)
-        run_dirs = {key: run_dirs[key] for key in runs}
+        run_dirs, timings = _train_the_rest(runs, kept, cfgs, multi, args.jobs, train, out)
         timings = {a: timings[a] for a in arms}
         if study.get("setup") == "demo":
             from fastcov.trainer.experiments.demo import evaluate_harder_runs
@@ -220,10 +212,7 @@ def main(argv: list[str] | None = None) -> int:
             evaluate_harder_runs(run_dirs, cfgs, out / "data" / "harder.parquet", out / "sft" / "model", "study",
                                  keep=set(kept))
         total = time.perf_counter() - t_start
-        if kept:
-            notes.append(f"Resumed (--resume): {len(kept)} of {len(runs)} runs were trained by an earlier "
-                         "invocation and kept; the wall time is this invocation's, and a kept run's seconds are "
-                         "the sum of its steps' time.")
+        notes += _resumed_note(len(kept), len(runs))
     if multi:
         return _seed_report(study, args, out, base, arms, seeds, run_dirs, timings, total, cfgs, notes)
     report_dirs = [run_dirs[(a, seeds[0])] for a in arms]
@@ -267,6 +256,27 @@ def _previous_times(out: Path) -> tuple[float | None, dict[str, float]]:
 
 
 _DISPLAY_ONLY = {"trainer.progress"}  # settings that change what a run shows, not what it trains
+
+
+def _train_the_rest(runs, kept: dict, cfgs: dict, multi: bool, jobs: int, train, out: Path) -> tuple[dict, dict]:
+    """Train every run of ``runs`` not in ``kept`` (key -> the finished run's directory, ``--resume``); the run
+    directories of all of them in ``runs``' order, and the seconds per arm (a kept run's: its steps' own time, as
+    ``--report-only`` counts them)."""
+    if kept:
+        print(f"[study] --resume: {len(kept)} of {len(runs)} runs finished in {out}, kept: "
+              + ", ".join(f"{a}/seed{sd}" if multi else a for a, sd in kept), flush=True)
+    todo = [key for key in runs if key not in kept]
+    run_dirs, timings = train_runs(todo, cfgs, multi, max(1, jobs), train) if todo else ({}, {})
+    for (a, sd), d in kept.items():
+        run_dirs[(a, sd)] = d
+        timings[a] = timings.get(a, 0.0) + _seconds_of(d)
+    return {key: run_dirs[key] for key in runs}, timings
+
+
+def _resumed_note(kept: int, runs: int) -> list[str]:
+    """The report's line on runs ``--resume`` kept (none: no line)."""
+    return [f"Resumed (--resume): {kept} of {runs} runs were trained by an earlier invocation and kept; the wall "
+            "time is this invocation's, and a kept run's seconds are the sum of its steps' time."] if kept else []
 
 
 def _finished(run_dir: Path, cfg) -> bool:
