@@ -1,6 +1,6 @@
-"""The target-entropy controller's two rules on every knob, closed loop on the tabular GRPO simulator.
+"""The target-entropy controller's three rules on every knob, closed loop on the tabular GRPO simulator.
 
-    python -m bench.entropy_controllers --target 1.5 0.6     # 5 knobs x 2 rules x 3 seeds, ~2 min on 1 CPU core
+    python -m bench.entropy_controllers --target 1.5 0.6     # 5 knobs x 3 rules x 3 seeds x 2 targets
     python -m bench.entropy_controllers --steps 200 --seeds 0
 
 Each run is ``fastcov.dynamics.simulate`` (64 prompts x 64 answers, GRPO, 4 mini-batches per rollout, vanilla
@@ -8,7 +8,8 @@ policy gradient, lr 0.1) with an ``EntropyController`` in its loop: the knob's v
 LossConfig and the controller takes the mean policy entropy after every rollout batch. Without control the
 entropy falls from 3.6 to ~0.4 nats in 200 steps; the target is 1.5 nats. Reported per knob and rule, mean over
 seeds: the settling step (the first step after which |H − target| stays within 10 % of the target), the mean
-|H − target| over the last 100 steps, the largest excursion over them, and the final expected accuracy.
+|H − target| over the last 100 steps, the mean signed error target − H over them (a steady-state error shows
+here), the largest excursion over them, and the final expected accuracy.
 Writes ``bench/results/entropy-controllers-tabular.{json,md}``.
 
 This is a tabular model, not an LLM: it measures how each rule regulates (speed, limit cycle, overshoot) on a
@@ -31,14 +32,19 @@ from fastcov.dynamics import DynamicsConfig, TabularProblem, simulate
 from fastcov.entropy_control import EntropyController
 
 TARGET = 1.5
-# knob -> (mode, step rule's init and delta, proportional rule's init and min); bounds: the knob's defaults
+# knob -> (mode, step rule's init and delta, proportional rule's init and min, PI rule's init and gains); bounds:
+# the knob's defaults. The PI gains are knob units per unit of relative error (target − H) / target.
 KNOB_SETTINGS = {
-    "entropy_coef": ("vanilla", dict(init=0.0, delta=0.005), dict(init=0.01, min=1e-4)),
-    "kl_cov_coef": ("kl_cov", dict(init=1.0, delta=0.5), dict(init=1.0, min=0.01)),
-    "kl_cov_ratio": ("kl_cov", dict(init=0.02, delta=0.01), dict(init=0.02, min=1e-3)),
-    "clip_cov_ratio": ("clip_cov", dict(init=0.02, delta=0.01), dict(init=0.02, min=1e-3)),
-    "pos_weight": ("vanilla", dict(init=1.0, delta=0.05), dict(init=1.0, min=0.01)),
+    "entropy_coef": ("vanilla", dict(init=0.0, delta=0.005), dict(init=0.01, min=1e-4),
+                     dict(init=0.0, kp=0.1, ki=0.02)),
+    "kl_cov_coef": ("kl_cov", dict(init=1.0, delta=0.5), dict(init=1.0, min=0.01), dict(init=1.0, kp=5.0, ki=1.0)),
+    "kl_cov_ratio": ("kl_cov", dict(init=0.02, delta=0.01), dict(init=0.02, min=1e-3),
+                     dict(init=0.02, kp=0.1, ki=0.05)),
+    "clip_cov_ratio": ("clip_cov", dict(init=0.02, delta=0.01), dict(init=0.02, min=1e-3),
+                       dict(init=0.02, kp=0.1, ki=0.05)),
+    "pos_weight": ("vanilla", dict(init=1.0, delta=0.05), dict(init=1.0, min=0.01), dict(init=1.0, kp=1.0, ki=0.25)),
 }
+RULES = ("step", "proportional", "pi")
 GAIN = 0.5
 
 
@@ -52,13 +58,14 @@ def settle_step(entropy: np.ndarray, target: float, tol: float = 0.1) -> float:
 
 
 def run_one(knob: str, rule: str, seed: int, steps: int, target: float = TARGET) -> dict:
-    mode, step_args, prop_args = KNOB_SETTINGS[knob]
-    args = dict(step_args) if rule == "step" else dict(prop_args, gain=GAIN)
+    mode, step_args, prop_args, pi_args = KNOB_SETTINGS[knob]
+    args = {"step": dict(step_args), "proportional": dict(prop_args, gain=GAIN), "pi": dict(pi_args)}[rule]
     ctl = EntropyController(target, knob, args.pop("init"), rule=rule, **args)
     run = simulate(TabularProblem.random(seed=seed), DynamicsConfig(steps=steps, mode=mode, seed=seed,
                                                                    entropy_control=ctl))
     tail = run.entropy[-100:]
     return {"settle_step": settle_step(run.entropy, target), "tail_abs_error": float(np.abs(tail - target).mean()),
+            "tail_signed_error": float((target - tail).mean()),
             "tail_max_error": float(np.abs(tail - target).max()), "final_accuracy": float(run.accuracy[-1]),
             "final_value": ctl.value}
 
@@ -76,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for target in opts.target:
         for knob in KNOB_SETTINGS:
-            for rule in ("step", "proportional"):
+            for rule in RULES:
                 runs = [run_one(knob, rule, s, opts.steps, target) for s in opts.seeds]
                 rows.append({"target": target, "knob": knob, "rule": rule,
                              **{k: float(np.mean([r[k] for r in runs])) for k in runs[0]}})
@@ -89,12 +96,12 @@ def main(argv: list[str] | None = None) -> int:
     (out / "entropy-controllers-tabular.json").write_text(json.dumps(doc, indent=1))
     lines = [f"Targets {opts.target} nats, {opts.steps} steps, seeds {opts.seeds} (mean); uncontrolled GRPO ends at "
              f"H = {doc['uncontrolled_final_entropy']:.3f}, accuracy {doc['uncontrolled_final_accuracy']:.3f}.", "",
-             "| target | knob | rule | settles at step | mean abs(H - target), last 100 | max, last 100 | "
-             "final value | final accuracy |", "|---|---|---|---|---|---|---|---|"]
+             "| target | knob | rule | settles at step | mean abs(H - target), last 100 | mean target - H, last 100 | "
+             "max, last 100 | final value | final accuracy |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['target']:g} | {r['knob']} | {r['rule']} | {r['settle_step']:.0f} | "
-                     f"{r['tail_abs_error']:.4f} | {r['tail_max_error']:.4f} | {r['final_value']:.4g} | "
-                     f"{r['final_accuracy']:.3f} |")
+                     f"{r['tail_abs_error']:.4f} | {r['tail_signed_error']:+.4f} | {r['tail_max_error']:.4f} | "
+                     f"{r['final_value']:.4g} | {r['final_accuracy']:.3f} |")
     (out / "entropy-controllers-tabular.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -294,17 +294,23 @@ class EntropyControlConfig:
     """A target-entropy controller (fastcov.entropy_control.EntropyController; docs/trainer.md, "Entropy held
     at a target"): after every step it moves one knob so the rollout entropy goes to ``target``."""
 
-    # nats per response token of the rollout batch, measured over all ranks; null = off
-    target: float | None = None
+    # nats per response token of the rollout batch, measured over all ranks, or a fraction of the mean entropy of
+    # the first `window` steps written "0.75x" (the knob stays at init during them); null = off
+    target: float | str | None = None
     # the value it moves: entropy_coef, kl_cov_coef / kl_cov_ratio (algo.mode kl_cov), clip_cov_ratio (clip_cov),
-    # pos_weight (Jin et al.'s lambda on tokens with A > 0)
+    # pos_weight (Jin et al.'s lambda on tokens with A > 0; EntroPIC's knob)
     knob: Literal["entropy_coef", "kl_cov_coef", "kl_cov_ratio", "clip_cov_ratio", "pos_weight"] = "entropy_coef"
-    # step: +-delta per step, clipped (Skywork-OR1, TRL); proportional: value * exp(gain * (target - H) / target)
-    rule: Literal["step", "proportional"] = "step"
-    # the knob's value at step 1; null: the algo value it replaces (pos_weight: algo.pos_adv_weight)
+    # step: +-delta per step, clipped (Skywork-OR1, TRL); proportional: value * exp(gain * (target - H) / target);
+    # pi: init + s * (kp * e + ki * sum e), e = (target - H) / target, |sum e| <= integral_max (EntroPIC)
+    rule: Literal["step", "proportional", "pi"] = "step"
+    # the knob's value at step 1 (the pi rule's operating point); null: the algo value it replaces (pos_weight:
+    # algo.pos_adv_weight)
     init: float | None = None
     delta: float | None = None  # step rule: change per step (required)
     gain: float = 0.5  # proportional rule
+    kp: float | None = None  # pi rule: proportional gain, knob units per unit of relative error (required, >= 0)
+    ki: float | None = None  # pi rule: integral gain (required, >= 0; 0: the proportional term alone)
+    integral_max: float | None = None  # pi rule: anti-windup bound on |sum e|; null: (max - min) / ki
     # bounds; null: the knob's range (entropy_coef [0, 1], kl_cov_coef [0, 100], ratios [1e-5, 1], pos_weight [0, 1])
     min: float | None = None
     max: float | None = None
@@ -312,6 +318,11 @@ class EntropyControlConfig:
     # off value (0; pos_weight 1)
     gate: bool = False
     inclusive: bool = False  # H == target counts as low (TRL: true; Skywork-OR1, Jin et al.: false)
+    window: int | None = None  # steps whose mean entropy a relative target ("0.75x") multiplies; null: 5
+    # a schedule: the target moves linearly from `target` at step target_steps[0] to `target_end` (nats or "0.5x")
+    # at step target_steps[1], and stays there
+    target_end: float | str | None = None
+    target_steps: tuple[int, int] | None = None
 
 
 @dataclass
@@ -829,8 +840,9 @@ def entropy_controller(a: AlgoConfig):
     if c.target is None:
         return None
     init = c.init if c.init is not None else getattr(a, ENTROPY_KNOBS[c.knob][0])
-    return EntropyController(c.target, c.knob, init, rule=c.rule, delta=c.delta, gain=c.gain, min=c.min, max=c.max,
-                             gate=c.gate, inclusive=c.inclusive)
+    return EntropyController(c.target, c.knob, init, rule=c.rule, delta=c.delta, gain=c.gain, kp=c.kp, ki=c.ki,
+                             integral_max=c.integral_max, min=c.min, max=c.max, gate=c.gate, inclusive=c.inclusive,
+                             window=c.window, target_end=c.target_end, target_steps=c.target_steps)
 
 
 def _validate_entropy_control(a: AlgoConfig) -> None:

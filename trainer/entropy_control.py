@@ -46,14 +46,17 @@ def controlled(loss_cfg: LossConfig, ctl: EntropyController | None) -> LossConfi
 
 
 def after_step(ctl: EntropyController | None, entropy: float, rec: dict) -> None:
-    """Log the value step ``rec`` used and its error, then move the controller by this step's entropy."""
+    """Log the value step ``rec`` used, move the controller by this step's entropy, and log the target it was
+    compared with and the error (target − H)."""
     if ctl is None:
         return
     rec["entropy_control/value"] = ctl.applied
     if ctl.knob == "pos_weight":
         rec["lambda"] = ctl.applied  # the λ this step used
-    rec["entropy_control/error"] = ctl.target - entropy
     ctl.update(entropy)
+    if ctl.last_target is not None:  # None while a relative target waits for its window
+        rec["entropy_control/target"] = ctl.last_target
+        rec["entropy_control/error"] = ctl.last_target - entropy
 
 
 def shape_advantages(seqs, a: AlgoConfig, device: torch.device | None = None) -> dict:

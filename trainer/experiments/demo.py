@@ -161,9 +161,11 @@ def evaluate_harder(run_dir: Path, start_model: Path, data_file: Path, seed: int
     return out
 
 
-def evaluate_harder_runs(run_dirs: dict, cfgs: dict, data_file: Path, start_model: Path, tag: str) -> dict:
+def evaluate_harder_runs(run_dirs: dict, cfgs: dict, data_file: Path, start_model: Path, tag: str,
+                         keep: set | None = None) -> dict:
     """``evaluate_harder`` for every run of ``run_dirs`` (key -> run directory; ``cfgs`` has the same keys), each
-    sampled with its run's seed and threads; {} when ``data_file`` does not exist (a task written before it had one)."""
+    sampled with its run's seed and threads; {} when ``data_file`` does not exist (a task written before it had one).
+    A run whose key is in ``keep`` and that was already evaluated on ``data_file`` keeps its ``harder_eval.json``."""
     from fastcov.trainer.runtime.lora import is_adapter_dir
 
     if not data_file.is_file():
@@ -177,9 +179,23 @@ def evaluate_harder_runs(run_dirs: dict, cfgs: dict, data_file: Path, start_mode
         if not ((final / "config.json").is_file() or is_adapter_dir(final)):  # stopped before its export
             print(f"[{tag}] {d}: no final model, not evaluated on {data_file.name}", flush=True)
             continue
+        if key in (keep or ()) and (earlier := _earlier_harder(Path(d), data_file)) is not None:
+            out[key] = earlier
+            continue
         out[key] = evaluate_harder(d, start_model, data_file, cfgs[key].trainer.seed, cfgs[key].rollout.max_new_tokens,
                                    cache, max(1, cfgs[key].trainer.threads))
     return out
+
+
+def _earlier_harder(run_dir: Path, data_file: Path) -> dict | None:
+    """The run's ``harder_eval.json`` when it holds an evaluation on ``data_file``, else None."""
+    import json
+
+    try:
+        earlier = json.loads((run_dir / "harder_eval.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return earlier if isinstance(earlier, dict) and earlier.get("data") == str(data_file) else None
 
 
 def harder_lines(harder: dict[str, dict], ops: int) -> list[str]:

@@ -60,12 +60,17 @@ def load_study(path: str | Path) -> dict:
         raise UserError(f"{p}: a study needs 'arms', a mapping of name -> list of KEY=VALUE overrides")
     for key in data:
         if key not in ("title", "base", "out", "setup", "task", "common", "arms", "notes", "seeds", "pass_k",
-                       "contrasts", "selection_contrasts", "target"):
+                       "contrasts", "selection_contrasts", "target", "headline"):
             raise UserError(f"{p}: unknown study key {key!r} (title, base, out, setup, task, common, arms, notes, "
-                            "seeds, pass_k, contrasts, selection_contrasts, target)")
+                            "seeds, pass_k, contrasts, selection_contrasts, target, headline)")
     target = data.get("target")
     if target is not None and (isinstance(target, bool) or not isinstance(target, (int, float)) or not target > 0):
         raise UserError(f"{p}: target must be a positive number (nats per response token), got {target!r}")
+    headline = data.get("headline")
+    if headline is not None and (target is None or not isinstance(headline, list) or not headline
+                                 or not all(a in data["arms"] for a in headline)):
+        raise UserError(f"{p}: headline is a list of arms (drawn beside the controller that held the target best) "
+                        f"and needs a target, got {headline!r}")
     seeds = data.get("seeds", [None])
     if not isinstance(seeds, list) or not seeds or not all(s is None or (isinstance(s, int) and s >= 0) for s in seeds):
         raise UserError(f"{p}: seeds must be a non-empty list of non-negative ints, got {seeds!r}")
@@ -130,6 +135,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--seeds", default=None, help="comma-separated seeds, replacing the study's")
     ap.add_argument("--report-only", action="store_true",
                     help="train nothing: write the report again from the runs already in --out")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the runs in --out that finished (all their steps and a final model) and their "
+                         "evaluations on the harder split; train and evaluate the rest (a study that was stopped)")
     ap.add_argument("--jobs", type=int, default=1,
                     help="runs trained at once, each in its own process (default 1; on CPU at most the core "
                          "count over trainer.threads)")
@@ -162,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out or study.get("out") or "runs/study")
         base = _resolve(study.get("base", "configs/demo.yaml"))
         setup: list[str] = []
+        notes: list[str] = []  # what the report says about how this invocation ran
         t_start = time.perf_counter()
         if study.get("setup") == "demo":
             setup = _demo_setup(out, args, study["task"])
@@ -194,14 +203,18 @@ def main(argv: list[str] | None = None) -> int:
         if set(timings) != set(arms):  # not recorded for these arms: the runs' own step times
             timings = {a: sum(_seconds_of(run_dirs[(a, sd)]) for sd in seeds) for a in arms}
     else:
-        run_dirs, timings = train_runs(runs, cfgs, multi, max(1, args.jobs), train)
+        kept = {key: run_dir(*key) for key in runs if args.resume and _finished(run_dir(*key), cfgs[key])}
+        run_dirs, timings = _train_the_rest(runs, kept, cfgs, multi, args.jobs, train, out)
+        timings = {a: timings[a] for a in arms}
         if study.get("setup") == "demo":
             from fastcov.trainer.experiments.demo import evaluate_harder_runs
 
-            evaluate_harder_runs(run_dirs, cfgs, out / "data" / "harder.parquet", out / "sft" / "model", "study")
+            evaluate_harder_runs(run_dirs, cfgs, out / "data" / "harder.parquet", out / "sft" / "model", "study",
+                                 keep=set(kept))
         total = time.perf_counter() - t_start
+        notes += _resumed_note(len(kept), len(runs))
     if multi:
-        return _seed_report(study, args, out, base, arms, seeds, run_dirs, timings, total, cfgs)
+        return _seed_report(study, args, out, base, arms, seeds, run_dirs, timings, total, cfgs, notes)
     report_dirs = [run_dirs[(a, seeds[0])] for a in arms]
     pre = (f"Study `{os.path.relpath(args.study)}` on `{os.path.relpath(base)}`; wall time {_wall(total)} ("
            + ", ".join(f"{a} {s:.0f}s" for a, s in timings.items()) + ").")
@@ -240,6 +253,59 @@ def _previous_times(out: Path) -> tuple[float | None, dict[str, float]]:
         return float(data["wall_s"]), {a: float(v) for a, v in data.get("arm_seconds", {}).items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None, {}
+
+
+_DISPLAY_ONLY = {"trainer.progress"}  # settings that change what a run shows, not what it trains
+
+
+def _train_the_rest(runs, kept: dict, cfgs: dict, multi: bool, jobs: int, train, out: Path) -> tuple[dict, dict]:
+    """Train every run of ``runs`` not in ``kept`` (key -> the finished run's directory, ``--resume``); the run
+    directories of all of them in ``runs``' order, and the seconds per arm (a kept run's: its steps' own time, as
+    ``--report-only`` counts them)."""
+    if kept:
+        print(f"[study] --resume: {len(kept)} of {len(runs)} runs finished in {out}, kept: "
+              + ", ".join(f"{a}/seed{sd}" if multi else a for a, sd in kept), flush=True)
+    todo = [key for key in runs if key not in kept]
+    run_dirs, timings = train_runs(todo, cfgs, multi, max(1, jobs), train) if todo else ({}, {})
+    for (a, sd), d in kept.items():
+        run_dirs[(a, sd)] = d
+        timings[a] = timings.get(a, 0.0) + _seconds_of(d)
+    return {key: run_dirs[key] for key in runs}, timings
+
+
+def _resumed_note(kept: int, runs: int) -> list[str]:
+    """The report's line on runs ``--resume`` kept (none: no line)."""
+    return [f"Resumed (--resume): {kept} of {runs} runs were trained by an earlier invocation and kept; the wall "
+            "time is this invocation's, and a kept run's seconds are the sum of its steps' time."] if kept else []
+
+
+def _finished(run_dir: Path, cfg) -> bool:
+    """Whether ``run_dir`` holds a finished run of ``cfg``: metrics up to its last step, the final model, and a
+    recorded config that agrees with ``cfg`` on every setting both have (a setting added to the trainer since the
+    run was trained is not a difference; ``_DISPLAY_ONLY`` ones are not compared)."""
+    from fastcov.trainer.runtime.lora import is_adapter_dir
+    from fastcov.trainer.runtime.run_dir import last_step
+
+    final = run_dir / "final"
+    if not ((run_dir / "metrics.jsonl").is_file() and last_step(run_dir / "metrics.jsonl") >= cfg.trainer.max_steps
+            and ((final / "config.json").is_file() or is_adapter_dir(final))):
+        return False
+    import yaml
+
+    recorded, wanted = _flat(_recorded_config(run_dir)), _flat(yaml.safe_load(yaml.safe_dump(dataclasses.asdict(cfg))))
+    differ = sorted(k for k in set(recorded) & set(wanted) if k not in _DISPLAY_ONLY and recorded[k] != wanted[k])
+    if differ:
+        print(f"[study] --resume: {run_dir} finished with other settings ({', '.join(differ[:3])}"
+              f"{', ...' if len(differ) > 3 else ''}), trained again", flush=True)
+    return not differ
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    """A nested config mapping as {"section.key": value}."""
+    out: dict = {}
+    for k, v in tree.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
 
 
 def _wall(total: float | None) -> str:
@@ -288,20 +354,24 @@ def _recorded_config(run_dir: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def _seed_report(study, args, out: Path, base: str, arms, seeds, run_dirs, timings, total, cfgs) -> int:
+def _seed_report(study, args, out: Path, base: str, arms, seeds, run_dirs, timings, total, cfgs,
+                 notes: list[str] | None = None) -> int:
     """report.md, study.json and entropy_bands.png of a multi-seed study (mean ± 95% CI across seeds); with
     ``selection_contrasts`` also the selection section and selection.png."""
     import json
 
     from fastcov.trainer.experiments.study_report import (
+        best_controller,
         plot_bands,
         plot_harder,
+        plot_headline,
         plot_selection,
         plot_target,
         run_numbers,
         selection_section,
         study_tables,
         target_holding,
+        write_curves,
     )
 
     pass_k = int(study.get("pass_k", 8))
@@ -309,11 +379,13 @@ def _seed_report(study, args, out: Path, base: str, arms, seeds, run_dirs, timin
     contrasts = [(a, b) for a, b in map(_contrast, study.get("contrasts") or [])]  # pairs: checked on load
     lines, summary = study_tables(numbers, pass_k, contrasts=[c for c in contrasts if all(a in numbers for a in c)])
     plot = plot_bands(numbers, out / "entropy_bands.png")
+    curves = write_curves(numbers, seeds, out / "curves.csv")
     head = [f"# {study.get('title', 'fastcov study')}", "",
             f"Study `{os.path.relpath(args.study)}` on `{os.path.relpath(base)}`, seeds {seeds}; wall time "
             f"{_wall(total)} (" + ", ".join(f"{a} {s:.0f}s" for a, s in timings.items()) + ").",
             "Mean ± 95% confidence interval across seeds (Student's t; Welch's for differences). "
             "Entropy end: mean of the last 10% of steps. pass@k / mean@k: the last evaluation.", ""]
+    head += [n for note in notes or [] for n in (note, "")]
     if study.get("notes"):
         head += [str(study["notes"]).strip(), ""]
     bars = plot_harder(summary["harder"], out / "harder.png") if "harder" in summary else None
@@ -322,6 +394,16 @@ def _seed_report(study, args, out: Path, base: str, arms, seeds, run_dirs, timin
         held, summary["target_holding"] = target_holding(numbers, target)
         target_plot = plot_target(numbers, target, out / "entropy_target.png")
         picture = ["", f"![entropy against the target]({target_plot.name})"] if target_plot else []
+        best = best_controller(numbers, summary["target_holding"])
+        headline = [a for a in study.get("headline") or [] if a in numbers]
+        if headline and best is not None:
+            summary["best_controller"] = best
+            shown = headline + ([best] if best not in headline else [])
+            figure = plot_headline(numbers, target, shown, out / "entropy_headline.png",
+                                   f"Rollout entropy against the target {target:g}: " + ", ".join(shown)
+                                   + f"\n(line: mean over {len(seeds)} seeds, band: min-max)")
+            picture += ["", f"The controller whose mean |H − target| was lowest: **{best}**."] + (
+                ["", f"![{', '.join(shown)} against the target]({figure.name})"] if figure else [])
         lines = held + picture + [""] + lines
     pairs = _selection_pairs(study, arms, seeds, cfgs, run_dirs)
     if pairs:
@@ -329,7 +411,8 @@ def _seed_report(study, args, out: Path, base: str, arms, seeds, run_dirs, timin
         sel_plot = plot_selection(summary["selection"], out / "selection.png", summary["selection_labels"])
         lines += ["", f"![selection − random against the ratio]({sel_plot.name})"] if sel_plot else []
     body = head + lines + (["", f"![entropy across seeds]({plot.name})"] if plot else []) + (
-        ["", f"![problems with one operation more]({bars.name})"] if bars else [])
+        ["", f"![problems with one operation more]({bars.name})"] if bars else []) + (
+        ["", f"Every run's curve (entropy, rollout accuracy, the controller's value per step): `{curves.name}`."])
     (out / "report.md").write_text("\n".join(body) + "\n")
     summary.update(seeds=seeds, pass_k=pass_k, wall_s=total, arm_seconds=timings,
                    runs={f"{a}/seed{sd}": str(run_dirs[(a, sd)]) for a, sd in run_dirs})

@@ -387,6 +387,22 @@ def plot_bands(numbers: dict[str, list[dict[str, Any]]], path: Path) -> Path | N
     return path
 
 
+def write_curves(numbers: dict[str, list[dict[str, Any]]], seeds: Sequence[Any], path: Path) -> Path:
+    """Every run's curve as CSV (arm, seed, step, entropy, rollout_acc, control_value; empty where a run has no
+    value): the data the study's figures are drawn from, small enough to commit beside the report."""
+    import csv
+
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["arm", "seed", "step", "entropy", "rollout_acc", "control_value"])
+        for arm, runs in numbers.items():
+            for seed, r in zip(seeds, runs, strict=True):
+                for row in zip(r["steps"], r["entropy"], r["rollout_acc"], r["control_value"], strict=True):
+                    w.writerow([arm, "" if seed is None else seed, row[0]]
+                               + ["" if v is None else f"{v:.6g}" for v in row[1:]])
+    return path
+
+
 def target_holding(numbers: dict[str, list[dict[str, Any]]], target: float,
                    baseline: str = "grpo") -> tuple[list[str], dict[str, Any]]:
     """How close each arm holds the rollout entropy at ``target`` (nats/token): mean |H − target| over the second
@@ -399,8 +415,9 @@ def target_holding(numbers: dict[str, list[dict[str, Any]]], target: float,
              "mean H, second half |", "|---|---:|---:|---|---:|"]
     summary: dict[str, Any] = {"target": target, "arms": {}}
     errors_of: dict[str, list[float]] = {}
+    shares_of: dict[str, list[float]] = {}
     for arm, runs in numbers.items():
-        errors, shares, firsts, means = errors_of.setdefault(arm, []), [], [], []
+        errors, shares, firsts, means = errors_of.setdefault(arm, []), shares_of.setdefault(arm, []), [], []
         for r in runs:
             steps, ent = r["steps"], r["entropy"]
             half = ent[len(ent) // 2:]
@@ -423,10 +440,57 @@ def target_holding(numbers: dict[str, list[dict[str, Any]]], target: float,
             gap, half_w = diff_ci(errors_of[arm], errors_of[baseline])
             summary["arms"][arm]["abs_error_gap"] = {"mean": gap, "ci95": half_w,
                                                      "excludes_zero": _excludes_zero(gap, half_w)}
+            sgap, shalf = diff_ci(shares_of[arm], shares_of[baseline])
+            summary["arms"][arm]["share_within_10pct_gap"] = {"mean": sgap, "ci95": shalf,
+                                                              "excludes_zero": _excludes_zero(sgap, shalf)}
             verdict = "excludes" if _excludes_zero(gap, half_w) else "includes"
+            sverdict = "excludes" if _excludes_zero(sgap, shalf) else "includes"
             lines.append(f"- {arm} − {baseline}, mean abs(H − target): {_cell(gap, half_w)} "
-                         f"(the interval {verdict} 0).")
+                         f"(the interval {verdict} 0); share within 10%: {_cell(sgap, shalf, '.2f')} "
+                         f"(the interval {sverdict} 0).")
     return lines, summary
+
+
+def best_controller(numbers: dict[str, list[dict[str, Any]]], holding: dict[str, Any]) -> str | None:
+    """The arm with a target-entropy controller (its runs log ``entropy_control/value``) whose mean |H − target|
+    over the second half is lowest (``holding``: ``target_holding``'s summary); None when no arm has one."""
+    controlled = [a for a, runs in numbers.items() if all(any(v is not None for v in r["control_value"]) for r in runs)]
+    if not controlled:
+        return None
+    return min(controlled, key=lambda a: (holding["arms"][a]["abs_error"]["mean"],
+                                          -holding["arms"][a]["share_within_10pct"]["mean"]))
+
+
+def plot_headline(numbers: dict[str, list[dict[str, Any]]], target: float, arms: Sequence[str], path: Path,
+                  title: str) -> Path | None:
+    """One panel: the rollout entropy of ``arms`` against step (mean over seeds, min-max band) and the target as
+    a line, the figure a user reads first."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for arm in arms:
+        runs = numbers[arm]
+        n = min(len(r["entropy"]) for r in runs)
+        cols = [[r["entropy"][i] for r in runs] for i in range(n)]
+        steps = runs[0]["steps"][:n]
+        line, = ax.plot(steps, [sum(c) / len(c) for c in cols], lw=1.4, label=f"{arm} ({len(runs)} seeds)")
+        ax.fill_between(steps, [min(c) for c in cols], [max(c) for c in cols], color=line.get_color(), alpha=0.2,
+                        lw=0)
+    ax.axhline(target, color="k", lw=1.0, ls="--", label=f"target {target:g}")
+    ax.axhspan(0.9 * target, 1.1 * target, color="0.85", alpha=0.5, lw=0, label="within 10%")
+    ax.set_xlabel("step")
+    ax.set_ylabel("rollout entropy (nats/token)")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def plot_target(numbers: dict[str, list[dict[str, Any]]], target: float, path: Path,

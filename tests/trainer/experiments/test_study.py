@@ -232,11 +232,60 @@ def test_controllers_study_smoke_reports_how_each_arm_holds_the_target(tmp_path)
     text = (tmp_path / "report.md").read_text()
     assert "How each arm holds the target 0.25 nats/token" in text
     assert "| bonus_adaptive |" in text and "bonus_adaptive − grpo, mean abs(H − target)" in text
+    assert "; share within 10%: " in text
     assert "![entropy against the target](entropy_target.png)" in text and (tmp_path / "entropy_target.png").is_file()
+    # the headline figure: the study's headline arms that ran (grpo; kl_cov did not) and the best controller
+    assert "was lowest: **bonus_adaptive**" in text and (tmp_path / "entropy_headline.png").is_file()
+    assert "![grpo, bonus_adaptive against the target](entropy_headline.png)" in text
     summary = json.loads((tmp_path / "study.json").read_text())
+    assert summary["best_controller"] == "bonus_adaptive"
+    assert "share_within_10pct_gap" in summary["target_holding"]["arms"]["bonus_adaptive"]
     held = summary["target_holding"]
     assert held["target"] == 0.25 and set(held["arms"]) == {"grpo", "bonus_adaptive"}
     assert len(held["arms"]["grpo"]["first_step_within_10pct"]) == 2
     values = [json.loads(line).get("entropy_control/value")
               for line in (tmp_path / "bonus_adaptive" / "seed0" / "metrics.jsonl").read_text().splitlines()]
     assert any(v is not None for v in values)
+    # the curves behind the figures, one CSV row per run and step, the controller's value where it has one
+    import csv
+
+    rows = list(csv.DictReader((tmp_path / "curves.csv").open()))
+    assert len(rows) == 4 * 6 and {(r["arm"], r["seed"]) for r in rows} == {
+        (a, s) for a in ("grpo", "bonus_adaptive") for s in ("0", "1")}
+    assert all(r["control_value"] == "" for r in rows if r["arm"] == "grpo")
+    assert [float(r["control_value"]) for r in rows if r["arm"] == "bonus_adaptive" and r["seed"] == "0"] == [
+        pytest.approx(v, rel=1e-5) for v in values if v is not None]  # written with 6 significant digits
+
+
+def test_resume_keeps_finished_runs_and_trains_the_rest(tmp_path):
+    """--resume after a stopped study: finished runs (and their harder-split evaluations) are kept untouched, a
+    missing run and a finished run with other settings are trained, and the report says so."""
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("transformers")
+    import yaml
+
+    from fastcov.trainer.experiments.study import main
+
+    study_file = ROOT / "configs" / "studies" / "controllers.yaml"
+    args = [str(study_file), "--out", str(tmp_path), "--seeds", "0,1", "--arms", "grpo,bonus_adaptive",
+            "trainer.max_steps=3", "trainer.eval_every=3", *TINY_RUNS]
+    assert main(args[:3] + TINY_SETUP + args[3:]) == 0
+
+    def stamp(run: str) -> tuple:
+        d = tmp_path / run
+        return tuple((d / f).stat().st_mtime_ns for f in ("metrics.jsonl", "harder_eval.json", "final/config.json"))
+
+    kept = {run: stamp(run) for run in ("grpo/seed0", "grpo/seed1", "bonus_adaptive/seed0")}
+    # the study was stopped before bonus_adaptive/seed1 ran, and grpo/seed1 had been trained with another beta
+    (tmp_path / "bonus_adaptive" / "seed1").rename(tmp_path / "stopped")
+    recorded = yaml.safe_load((tmp_path / "grpo" / "seed1" / "config.yaml").read_text())
+    recorded["algo"]["kl_cov_coef"] += 1.0
+    (tmp_path / "grpo" / "seed1" / "config.yaml").write_text(yaml.safe_dump(recorded))
+    assert main(args + ["--reuse-sft", "--resume"]) == 0
+    assert stamp("grpo/seed0") == kept["grpo/seed0"] and stamp("bonus_adaptive/seed0") == kept["bonus_adaptive/seed0"]
+    assert stamp("grpo/seed1") != kept["grpo/seed1"]  # trained again: its settings were not the study's
+    assert (tmp_path / "bonus_adaptive" / "seed1" / "harder_eval.json").is_file()
+    text = (tmp_path / "report.md").read_text()
+    assert "Resumed (--resume): 2 of 4 runs were trained by an earlier invocation and kept" in text
+    assert set(json.loads((tmp_path / "study.json").read_text())["runs"]) == {
+        "grpo/seed0", "grpo/seed1", "bonus_adaptive/seed0", "bonus_adaptive/seed1"}

@@ -54,6 +54,34 @@ def test_controller_resumes_bit_exact_and_follows_its_rule(tmp_path):
     # step 1: no measurement yet, the gate holds the bonus off; then 0.01 + 0.02 per step (H <= target)
     assert values == pytest.approx([0.0, 0.03, 0.05, 0.07], abs=1e-12)
     assert all(r["entropy_control/error"] == pytest.approx(50.0 - r["entropy"]) for r in a)
+    assert all(r["entropy_control/target"] == 50.0 for r in a)
+
+
+def test_pi_rule_with_a_relative_target_in_the_loop_follows_its_rule_and_resumes_bit_exact(tmp_path):
+    """algo.entropy_control with rule pi on KL-Cov's β and target "0.9x" over a 2-step window: the first two steps
+    train with β = init and log no target; from step 2 on the target is 0.9 × their mean entropy and β follows
+    init + kp·e + ki·Σe, e = (T − H)/T, clipped to [0, 10]; a run cut at step 2 (the window's end) resumes with
+    the same numbers."""
+    over = ["trainer.max_steps=4", "trainer.save_every=2", "algo.mode=kl_cov", "algo.entropy_control.target=0.9x",
+            "algo.entropy_control.window=2", "algo.entropy_control.knob=kl_cov_coef", "algo.entropy_control.rule=pi",
+            "algo.entropy_control.init=1.0", "algo.entropy_control.kp=2.0", "algo.entropy_control.ki=0.5",
+            "algo.entropy_control.max=10.0"]
+    full = train_mod.train(tiny(tmp_path, "full", *over))
+    cut = tiny(tmp_path, "cut", *over)
+    train_mod.train(cut, stop_at=2)
+    train_mod.train(cut, resume=True)
+    a = stable(read_metrics(full / "metrics.jsonl"))
+    assert a == stable(read_metrics(tmp_path / "cut" / "metrics.jsonl"))
+    hs = [r["entropy"] for r in a]
+    target = 0.9 * (hs[0] + hs[1]) / 2
+    assert "entropy_control/target" not in a[0] and a[1]["entropy_control/target"] == pytest.approx(target)
+    beta, integral = [1.0, 1.0], 0.0
+    for h in hs[1:3]:  # the rule acts from step 2 (the window's last) on: β for steps 3 and 4
+        e = (target - h) / target
+        integral += e  # the bounds are not reached here: β stays inside (0, 10) (checked below)
+        beta.append(1.0 + 2.0 * e + 0.5 * integral)
+    assert all(0.0 < b < 10.0 for b in beta)
+    assert [r["entropy_control/value"] for r in a] == pytest.approx(beta, rel=1e-12)
 
 
 def test_a_controller_that_never_moves_changes_no_number(tmp_path):
@@ -64,7 +92,7 @@ def test_a_controller_that_never_moves_changes_no_number(tmp_path):
     held = stable(read_metrics(train_mod.train(tiny(
         tmp_path, "held", *over, "algo.entropy_control.target=1.0", "algo.entropy_control.knob=kl_cov_coef",
         "algo.entropy_control.delta=0.0")) / "metrics.jsonl"))
-    extra = {"entropy_control/value", "entropy_control/error"}
+    extra = {"entropy_control/value", "entropy_control/error", "entropy_control/target"}
     assert [{k: v for k, v in r.items() if k not in extra} for r in held] == plain
     assert [r["entropy_control/value"] for r in held] == [1.0, 1.0]
 
@@ -137,6 +165,25 @@ def test_on_policy_kl_cov_warns_once_in_one_line(over, warned):
      "algo.entropy_control.max"),
     (["algo.entropy_control.target=0.3", "algo.entropy_control.delta=0.1", "algo.entropy_control.min=0.5",
       "algo.entropy_control.max=0.2"], "algo.entropy_control.min"),
+    (["algo.entropy_control.target=0.3", "algo.entropy_control.rule=pi", "algo.entropy_control.ki=0.1"],
+     "algo.entropy_control.kp"),
+    (["algo.entropy_control.target=0.3", "algo.entropy_control.rule=pi", "algo.entropy_control.kp=1.0"],
+     "algo.entropy_control.ki"),
+    (["algo.entropy_control.target=0.3", "algo.entropy_control.rule=pi", "algo.entropy_control.kp=1.0",
+      "algo.entropy_control.ki=0.1", "algo.entropy_control.integral_max=-1"], "algo.entropy_control.integral_max"),
+    (["algo.entropy_control.target=0.3", "algo.entropy_control.delta=0.1", "algo.entropy_control.kp=1.0"],
+     "algo.entropy_control.kp"),
+    (["algo.entropy_control.target=0.75y", "algo.entropy_control.delta=0.1"], "algo.entropy_control.target"),
+    (["algo.entropy_control.target=0.75x", "algo.entropy_control.delta=0.1", "algo.entropy_control.window=0"],
+     "algo.entropy_control.window"),
+    (["algo.entropy_control.target=0.3", "algo.entropy_control.delta=0.1", "algo.entropy_control.window=4"],
+     "algo.entropy_control.window"),
+    (["algo.entropy_control.target=0.3", "algo.entropy_control.delta=0.1", "algo.entropy_control.target_end=0.2"],
+     "algo.entropy_control.target_steps"),
+    (["algo.entropy_control.target=0.3", "algo.entropy_control.delta=0.1", "algo.entropy_control.target_end=x",
+      "algo.entropy_control.target_steps=[0,10]"], "algo.entropy_control.target_end"),
+    (["algo.entropy_control.target=0.3", "algo.entropy_control.delta=0.1", "algo.entropy_control.target_end=0.2",
+      "algo.entropy_control.target_steps=[10,5]"], "algo.entropy_control.target_steps"),
     (["algo.entropy_advantage.alpha=-1"], "algo.entropy_advantage.alpha"),
     (["algo.entropy_advantage.kappa=0"], "algo.entropy_advantage.kappa"),
 ])
@@ -155,13 +202,17 @@ def test_the_controllers_study_loads_every_arm():
         cfg = load_config(ROOT / "configs" / "demo.yaml", list(study["common"]) + list(over))
         assert (cfg.algo.entropy_control.target is not None) == ("entropy_control" in " ".join(over)), name
         assert entropy_control.start(cfg.algo, rank=1) is None or cfg.algo.entropy_control.target == study["target"]
-    # the arms issue 41 names, each with what makes it that arm
-    wanted = {"grpo": "algo.mode=vanilla", "bonus_fixed": "algo.entropy_coef=", "bonus_adaptive": "gate=true",
-              "clip_higher": "algo.clip_high=0.28", "clip_cov": "algo.mode=clip_cov", "kl_cov": "algo.mode=kl_cov",
-              "kl_cov_beta_target": "knob=kl_cov_coef", "kl_cov_ratio_target": "knob=kl_cov_ratio",
-              "high_entropy_20": "algo.high_entropy_fraction=0.2", "entropy_advantage": "algo.entropy_advantage.alpha="}
-    for arm, marker in wanted.items():
-        assert marker in " ".join(study["arms"][arm]), arm
+    # the arms issue 60 names, each with what makes it that arm, at the demo's size
+    wanted = {"grpo": ["algo.mode=vanilla"], "kl_cov": ["algo.mode=kl_cov"], "clip_cov": ["algo.mode=clip_cov"],
+              "bonus_adaptive": ["knob=entropy_coef", "delta=0.005", "gate=true", "inclusive=true"],
+              "kl_cov_beta_step": ["knob=kl_cov_coef", "delta=0.25"],
+              "kl_cov_beta_pi": ["knob=kl_cov_coef", "rule=pi", "kp=", "ki="],
+              "pos_weight_pi": ["algo.mode=vanilla", "knob=pos_weight", "rule=pi", "kp=", "ki="]}
+    assert set(study["arms"]) == set(wanted) and study["seeds"] == [0, 1, 2]
+    for arm, markers in wanted.items():
+        assert all(m in " ".join(study["arms"][arm]) for m in markers), arm
+    common = " ".join(study["common"])
+    assert "trainer.max_steps=200" in common and "trainer.prompts_per_step=16" in common
 
 
 # ---------------------------------------------------------------- 2 ranks = 1 process
