@@ -40,7 +40,7 @@ import torch
 
 from fastcov.integrations._require import require
 from fastcov.losses import LossConfig, compute_global_selection, get_policy_loss
-from fastcov.ops import kernel_backend, linear_logprob_entropy
+from fastcov.ops import VocabParallel, linear_logprob_entropy
 
 core_algos = require("verl.trainer.ppo.core_algos", "verl", "'fastcov[verl]'")
 if not hasattr(core_algos, "agg_loss") or not hasattr(core_algos, "register_policy_loss"):
@@ -179,23 +179,18 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     """verl's fused-kernel signature: hidden [..., D], weight [V or V_local, D], labels [...] (global ids).
 
     Returns (logprobs, entropy): logprobs shaped like labels for reduction "none", else their "sum" or
-    "mean"; entropy per token. With ``dist_process_group`` the vocabulary is split over its ranks.
+    "mean"; entropy per token. With ``dist_process_group`` the vocabulary is split over its ranks (rank r holds
+    rows [r·V_local, (r+1)·V_local)); as with verl's kernel, the gradient of ``hidden`` is then this rank's
+    share, which the caller sums over the group.
     """
     if reduction not in ("none", "sum", "mean"):
         raise ValueError(f"reduction must be 'none', 'sum' or 'mean', got {reduction!r}")
-    if dist_process_group is None:
-        stats = linear_logprob_entropy(hidden, weight, labels, temperature=float(temperature))
-        logprobs, entropy = stats.logprob, stats.entropy
-        assert entropy is not None  # computed unless entropy=False
-    else:
-        from fastcov.kernels._autograd import VocabParallelLogprobEntropyFunction
-
-        hidden2d = hidden.reshape(-1, hidden.shape[-1])
-        logprobs, entropy, _ = VocabParallelLogprobEntropyFunction.apply(
-            hidden2d, weight, labels.reshape(-1).long().contiguous(), float(temperature), -100,
-            dist_process_group, kernel_backend("auto", hidden.device),
-        )
-        logprobs, entropy = logprobs.view(labels.shape), entropy.view(labels.shape)
+    # as verl's kernel, each rank's gradient of hidden is its own columns' share (Megatron's sequence-parallel
+    # gather sums it in its backward; verl's TP test all-reduces it after the call)
+    shard = None if dist_process_group is None else VocabParallel(dist_process_group, reduce_hidden_grad=False)
+    stats = linear_logprob_entropy(hidden, weight, labels, temperature=float(temperature), vocab_parallel=shard)
+    logprobs, entropy = stats.logprob, stats.entropy
+    assert entropy is not None  # computed unless entropy=False
     if reduction == "sum":
         logprobs = logprobs.sum()
     elif reduction == "mean":
