@@ -54,9 +54,11 @@ def _grouped_program(pid, n_blocks_a, n_blocks_b, GROUP: tl.constexpr):
 @triton.jit
 def _softcap(x, softcap):
     """cap·tanh(x/cap) from one exp (Triton's interpreter has no libdevice tanh): tanh(a) = sign(a)·(1 − e)/(1 + e)
-    with e = exp(−2|a|), which is 0 for large |a| (never inf)."""
+    with e = exp(−2|a|), which is 0 for large |a| (never inf). The quotient is the approximate one (div.full,
+    2 ulp): IEEE division is a slow-path call that ptxas keeps the whole tile live across (the dZ kernel spilled
+    kilobytes with it)."""
     e = tl.exp(tl.abs(x) * (-2.0 / softcap))
-    t = (1.0 - e) / (1.0 + e)
+    t = tl.fdiv(1.0 - e, 1.0 + e)
     return tl.where(x < 0, -t, t) * softcap
 
 
@@ -289,6 +291,9 @@ _FWD_MEDIUM = ((64, 128, 64, 8, 3), (64, 128, 32, 8, 4), (128, 64, 64, 8, 3), (1
 _FP32 = ((64, 64, 32, 8, 3), (64, 64, 32, 8, 4), (32, 64, 32, 4, 3), (32, 64, 32, 4, 4))
 _DZ = ((256, 128, 64, 8, 3), (128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4),
        (128, 128, 32, 8, 4))
+# with the soft cap the dZ epilogue keeps a third tile live (tanh beside log p and dz): 256×128 spilled kilobytes and
+# 128×128 with 4 warps 32–188 B, so the cap takes the tiles that stay spill-free with it
+_DZ_SOFTCAP = ((128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (64, 128, 64, 4, 4), (128, 64, 64, 8, 3))
 
 
 # Every config allows all 255 registers: without the explicit .maxnreg, ptxas for sm_100a caps some of
@@ -301,7 +306,8 @@ def _as_configs(space):
                           maxnreg=MAXNREG) for bn, bv, bd, w, st in space]
 
 
-def forward_space(dtype: str, topk: int = 0, bias: bool = False, cov: bool = False, arch: int = 90) -> tuple:
+def forward_space(dtype: str, topk: int = 0, bias: bool = False, cov: bool = False, arch: int = 90,
+                  softcap: bool = False) -> tuple:
     """The forward's configs for an input dtype name, switches and compute capability (``arch``: 80, 90,
     100). On sm_90a/sm_100a the 256×128 tile is spill-free for log-prob and entropy alone (it spills with
     the covariance sums or the top-k), and the 128×128 tile unless both of those are on (sm_100a); sm_80's
@@ -316,10 +322,12 @@ def forward_space(dtype: str, topk: int = 0, bias: bool = False, cov: bool = Fal
     return space
 
 
-def dz_space(dtype: str, arch: int = 90) -> tuple:
-    """The dZ kernel's configs for an input dtype name: spill-free on every arch (``arch`` is taken so that
-    the compile table calls every space alike)."""
-    return _FP32 if dtype == "float32" else _DZ
+def dz_space(dtype: str, arch: int = 90, softcap: bool = False) -> tuple:
+    """The dZ kernel's configs for an input dtype name and the soft cap: spill-free on every arch (``arch`` is
+    taken so that the compile table calls every space alike)."""
+    if dtype == "float32":
+        return _FP32
+    return _DZ_SOFTCAP if softcap else _DZ
 
 
 def _dtype_name(named_args) -> str:
@@ -337,12 +345,12 @@ def _arch(named_args) -> int:
 
 def _prune_forward(configs, named_args, **kwargs):
     keep = set(forward_space(_dtype_name(named_args), kwargs.get("TOPK", 0), kwargs.get("HAS_BIAS", False),
-                             kwargs.get("COV", False), _arch(named_args)))
+                             kwargs.get("COV", False), _arch(named_args), kwargs.get("SOFTCAP", False)))
     return [c for c in configs if _key(c) in keep]
 
 
 def _prune_dz(configs, named_args, **kwargs):
-    keep = set(dz_space(_dtype_name(named_args)))
+    keep = set(dz_space(_dtype_name(named_args), _arch(named_args), kwargs.get("SOFTCAP", False)))
     return [c for c in configs if _key(c) in keep]
 
 
@@ -356,7 +364,7 @@ def _key(config) -> tuple:
 _forward_tuned = triton.autotune(configs=_as_configs(dict.fromkeys(_FWD_WIDE + _FWD_LARGE + _FWD_MEDIUM + _FP32)),
                                  key=["N_BUCKET", "V", "D", "SPLITS", "HAS_BIAS", "COV", "TOPK", "SOFTCAP"],
                                  prune_configs_by={"early_config_prune": _prune_forward})(_forward_kernel)
-_dz_tuned = triton.autotune(configs=_as_configs(dict.fromkeys(_DZ + _FP32)),
+_dz_tuned = triton.autotune(configs=_as_configs(dict.fromkeys(_DZ + _DZ_SOFTCAP + _FP32)),
                             key=["N_BUCKET", "V", "D", "HAS_BIAS", "SOFTCAP"],
                             prune_configs_by={"early_config_prune": _prune_dz})(_dz_kernel)
 
