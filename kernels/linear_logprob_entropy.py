@@ -273,7 +273,9 @@ def _dz_kernel(h_ptr, w_ptr, b_ptr, y_ptr, t_ptr, lse_ptr, ent_ptr, g_ptr, e_ptr
     dz += tl.where(offs_v[None, :] == labels[:, None], g[:, None], 0.0)
     dz = dz * inv_t[:, None]
     if SOFTCAP:
-        t = c * (1.0 / softcap)  # tanh of the capped logit, from c = cap·tanh: no second tile kept
+        # the cap's derivative 1 − tanh², tanh = c/cap = (log p + log Z)·T/cap: from log p, which is live here
+        # anyway, not from c (keeping c until now made a third live tile, which spilled)
+        t = (logp + lse[:, None]) * (1.0 / (softcap * inv_t))[:, None]
         dz = dz * (1.0 - t * t)
     dz_base = dz_ptr + row0.to(tl.int64) * V + v0
     tl.store(dz_base + offs_n[:, None] * V + offs_v[None, :], dz.to(dz_ptr.dtype.element_ty),
@@ -311,11 +313,12 @@ def forward_space(dtype: str, topk: int = 0, bias: bool = False, cov: bool = Fal
     """The forward's configs for an input dtype name, switches and compute capability (``arch``: 80, 90,
     100). On sm_90a/sm_100a the 256×128 tile is spill-free for log-prob and entropy alone (it spills with
     the covariance sums or the top-k), and the 128×128 tile unless both of those are on (sm_100a); sm_80's
-    mma path has fewer registers to spare (256×128 spills there, and 128×128 with a bias and the top-k)."""
+    mma path has fewer registers to spare (256×128 spills there, and 128×128 with the top-k and a bias or the
+    soft cap: 4 B each)."""
     if dtype == "float32":
         return _FP32
     space: tuple[tuple[int, int, int, int, int], ...] = _FWD_MEDIUM
-    if not (cov and topk) and not (arch < 90 and topk and bias):
+    if not (cov and topk) and not (arch < 90 and topk and (bias or softcap)):
         space = _FWD_LARGE + space
     if not cov and not topk and arch >= 90:
         space = _FWD_WIDE + space
