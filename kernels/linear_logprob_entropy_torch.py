@@ -117,11 +117,13 @@ def stats_forward(hidden, weight, bias, labels, inv_temp, topk, want_cov=True, w
     return stats, (top_values, top_indices)
 
 
-def backward_chunks(n: int, v: int, d: int, itemsize: int, budget: int, has_bias: bool) -> tuple[int, int]:
+def backward_chunks(n: int, v: int, d: int, itemsize: int, budget: int, has_bias: bool,
+                    softcap: bool = False) -> tuple[int, int]:
     """(rows, scratch columns) of the twin's backward: the dZ buffer gets half the budget, the fp32
-    scratch (three [rows, cols] buffers and the [cols, D] slab of W) the other half."""
+    scratch (three [rows, cols] buffers, four with the soft cap's tanh slab, and the [cols, D] slab of W) the
+    other half."""
     rows = chunk_rows(n, v, itemsize, budget // 2, has_bias)
-    cols = (budget // 2) // (4 * (3 * rows + d))
+    cols = (budget // 2) // (4 * ((4 if softcap else 3) * rows + d))
     # slabs of at most SLAB_ELEMENTS: the elementwise passes over a slab then run in cache
     cols = min(cols, max(MIN_SLAB_COLS, SLAB_ELEMENTS // rows))
     return rows, max(1, min(v, cols))
@@ -141,7 +143,7 @@ def grad_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     n, d = hidden.shape
     v = weight.shape[0]
     budget = workspace or workspace_bytes()
-    rows, cols = backward_chunks(n, v, d, hidden.element_size(), budget, bias is not None)
+    rows, cols = backward_chunks(n, v, d, hidden.element_size(), budget, bias is not None, softcap is not None)
     per_row = not isinstance(inv_temp, float)
 
     # 1/T folded into the upstream gradients (dz/T = (g/T)·(…) − (e/T)·(…)): one pass less per tile
@@ -149,7 +151,7 @@ def grad_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     with_entropy = bool(e.ne(0).any())  # only log-probs need a gradient: skip the entropy term's passes
 
     scratch = torch.empty(rows * cols, dtype=torch.float32, device=hidden.device)  # reused by every slab
-    # the softcap's tanh slab: the third of the three [rows, cols] buffers backward_chunks budgets for
+    # the soft cap's tanh slab: the fourth [rows, cols] buffer backward_chunks budgets for with a cap
     tanh_scratch = torch.empty(rows * cols, dtype=torch.float32, device=hidden.device) if softcap else None
 
     def fill_dz(r0, r1, dz):
