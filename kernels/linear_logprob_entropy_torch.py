@@ -144,22 +144,27 @@ def grad_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     v = weight.shape[0]
     budget = workspace or workspace_bytes()
     rows, cols = backward_chunks(n, v, d, hidden.element_size(), budget, bias is not None, softcap is not None)
-    per_row = not isinstance(inv_temp, float)
+    per_row = inv_temp if isinstance(inv_temp, torch.Tensor) else None  # fp32 [N], or one float for all rows
+    scalar = float(inv_temp) if per_row is None else 1.0
 
     # 1/T folded into the upstream gradients (dz/T = (g/T)·(…) − (e/T)·(…)): one pass less per tile
-    g_t, e_t = g * inv_temp, e * inv_temp
+    g_t, e_t = (g * scalar, e * scalar) if per_row is None else (g * per_row, e * per_row)
     with_entropy = bool(e.ne(0).any())  # only log-probs need a gradient: skip the entropy term's passes
 
     scratch = torch.empty(rows * cols, dtype=torch.float32, device=hidden.device)  # reused by every slab
     # the soft cap's tanh slab: the fourth [rows, cols] buffer backward_chunks budgets for with a cap
     tanh_scratch = torch.empty(rows * cols, dtype=torch.float32, device=hidden.device) if softcap else None
 
+    def scaled(t: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
+        """``t`` [r1 − r0, ·] times each row's 1/T, in place."""
+        return t.mul_(scalar) if per_row is None else t.mul_(per_row[r0:r1, None])
+
     def fill_dz(r0, r1, dz):
-        scale = inv_temp[r0:r1] if per_row else inv_temp
         # without a cap, 1/T folds into the hidden rows (and the bias); a cap comes before 1/T, so it cannot
-        h32 = hidden[r0:r1].float()
-        if softcap is None:
-            h32 = h32 * (scale[:, None] if per_row else scale)  # a new tensor: .float() of fp32 is the input
+        if softcap is None:  # a copy, scaled in place (.float() of fp32 input would be the input itself)
+            h32 = scaled(hidden[r0:r1].to(torch.float32, copy=True), r0, r1)
+        else:
+            h32 = hidden[r0:r1].float()
         for c0 in range(0, v, cols):
             c1 = min(v, c0 + cols)
             shape = (r1 - r0, c1 - c0)
@@ -167,15 +172,16 @@ def grad_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
             sech2 = None
             if bias is not None:
                 b32 = bias[c0:c1].float()
-                if softcap is not None or not per_row:
-                    z.add_(b32, alpha=1.0 if softcap is not None else scale)
+                if softcap is not None:
+                    z.add_(b32)
+                elif per_row is None:
+                    z.add_(b32, alpha=scalar)
                 else:
-                    z.addr_(scale, b32)  # z += (1/T_i)·b_v, in place
+                    z.addr_(per_row[r0:r1], b32)  # z += (1/T_i)·b_v, in place
             if softcap is not None:
                 assert tanh_scratch is not None
                 t = torch.mul(z, 1.0 / softcap, out=tanh_scratch[: shape[0] * shape[1]].view(shape)).tanh_()
-                torch.mul(t, softcap, out=z)
-                z.mul_(scale[:, None] if per_row else scale)
+                scaled(torch.mul(t, softcap, out=z), r0, r1)
                 sech2 = t.square_().neg_().add_(1.0)  # 1 − tanh², in place of t
             grad = dz_from_upstream(z, logsumexp[r0:r1], entropy[r0:r1], labels[r0:r1] - c0, g_t[r0:r1],
                                     e_t[r0:r1], with_entropy)

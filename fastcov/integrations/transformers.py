@@ -170,7 +170,7 @@ def logit_softcap(model) -> float | None:
         return None
     for _, config in reversed(_configs(model)):  # the text config's, where the model has one
         value = getattr(config, SOFTCAP_ATTRIBUTE, None)
-        if not _is_neutral(value, LOGIT_TRANSFORMS[SOFTCAP_ATTRIBUTE]):
+        if value is not None and not _is_neutral(value, LOGIT_TRANSFORMS[SOFTCAP_ATTRIBUTE]):
             return float(value)
     return None
 
