@@ -84,7 +84,8 @@ PART_CAPS = {
 }
 NEEDS_WHOLE_CAP = ("extra",)
 # the files `pytest -m gpu` runs (the GPU-marked tests; collecting all of tests/ costs ~20 s)
-GPU_TEST_FILES = ("tests/kernels/test_linear_logprob_entropy.py", "tests/library/test_selection.py")
+GPU_TEST_FILES = ("tests/kernels/test_linear_logprob_entropy.py", "tests/kernels/test_head_switches.py",
+                  "tests/library/test_selection.py")
 COMMIT_ENV = "FASTCOV_COMMIT"  # the commit id when the tree travels without .git
 # (module, distribution) whose versions the environment record holds; null where not installed
 PACKAGES = (("triton", "triton"), ("transformers", "transformers"), ("deepspeed", "deepspeed"),

@@ -226,3 +226,45 @@ def test_triton_and_twin_agree_with_every_switch():
                                    sum_p2=True, vocab_cov=True, topk=3, impl=impl) for impl in ("torch", "triton")]
     for name in ("logprob", "entropy", "logsumexp", "vocab_cov", "sum_p2", "topk_logprob"):
         torch.testing.assert_close(getattr(outs[1], name), getattr(outs[0], name), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_triton_bf16_softcap_and_per_token_temperature_on_gpu_are_no_less_exact_than_naive(monkeypatch):
+    """bf16 is what the interpreter cannot check (its bf16 tl.dot is wrong): the Triton kernels at V 152064 with a
+    cap of 30 and a temperature per token in [0.4, 1.6), dZ poisoned, against float64 on the same bf16 values, at
+    least as close as the naive path (bf16 matmul → fp32 cap, T and log_softmax → autograd)."""
+    monkeypatch.setattr(triton_kernels, "POISON", True)
+    n, d, v, cap = 1000, 256, 152064, 30.0
+    gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
+    hidden = torch.randn(n, d, generator=gen, device="cuda").bfloat16()
+    weight = (torch.randn(v, d, generator=gen, device="cuda") * (3.0 / d ** 0.5)).bfloat16()
+    labels = torch.randint(0, v, (n,), generator=gen, device="cuda")
+    labels[::7] = IGNORE
+    temperature = torch.rand(n, generator=gen, device="cuda") * 1.2 + 0.4
+    g, e = torch.randn(n, generator=gen, device="cuda"), torch.randn(n, generator=gen, device="cuda")
+    h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    ref = reference_logprob_entropy(h64, w64, labels, None, temperature, IGNORE, cap)
+    (ref["logprob"] * g.double() + ref["entropy"] * e.double()).sum().backward()
+
+    def errors(lp, ent, dh, dw):
+        rel = lambda a, b: float((a.double() - b).norm() / b.norm())  # noqa: E731
+        return {"logprob": float((lp.detach().double() - ref["logprob"].detach()).abs().max()),
+                "entropy": float((ent.detach().double() - ref["entropy"].detach()).abs().max()),
+                "dh": rel(dh, h64.grad), "dw": rel(dw, w64.grad)}
+
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    out = linear_logprob_entropy(h, w, labels, temperature=temperature, softcap=cap, impl="triton")
+    (out.logprob * g + out.entropy * e).sum().backward()
+    fused = errors(out.logprob, out.entropy, h.grad, w.grad)
+    hn, wn = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    z = (hn @ wn.T).float()
+    logp_all = torch.log_softmax(cap * torch.tanh(z / cap) / temperature[:, None], -1)
+    valid = labels != IGNORE
+    zero = torch.zeros(n, device="cuda")
+    lp = torch.where(valid, logp_all.gather(-1, labels.clamp(min=0)[:, None])[:, 0], zero)
+    ent = torch.where(valid, -(logp_all.exp() * logp_all).sum(-1), zero)
+    (lp * g + ent * e).sum().backward()
+    naive = errors(lp, ent, hn.grad, wn.grad)
+    for key in fused:
+        assert fused[key] <= naive[key], (key, fused, naive)
