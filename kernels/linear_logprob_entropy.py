@@ -314,12 +314,12 @@ def forward_space(dtype: str, topk: int = 0, bias: bool = False, cov: bool = Fal
     100). On sm_90a/sm_100a the 256×128 tile is spill-free for log-prob and entropy alone (it spills with
     the covariance sums or the top-k, and on sm_90a with a bias and the soft cap: 8 B), and the 128×128 tile
     unless both of those are on (sm_100a) or the top-k meets a bias and the soft cap (sm_100a: 20 B); sm_80's mma
-    path has fewer registers to spare (256×128 spills there, and 128×128 with the top-k and a bias or the soft
-    cap: 4 B each)."""
+    path has fewer registers to spare (256×128 spills there, and 128×128 with the top-k: 4 B since each row's 1/T
+    is a vector)."""
     if dtype == "float32":
         return _FP32
     space: tuple[tuple[int, int, int, int, int], ...] = _FWD_MEDIUM
-    large = (not (cov and topk) and not (arch < 90 and topk and (bias or softcap))
+    large = (not (cov and topk) and not (arch < 90 and topk)
              and not (arch >= 100 and topk and bias and softcap))
     if large:
         space = _FWD_LARGE + space
