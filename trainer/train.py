@@ -163,8 +163,8 @@ def batching(cfg: Config, engine, no_grad: bool = False) -> dict:
 def forward(engine, mb: MicroBatch, temperature: float, vocab_cov: bool = False, sum_p2: bool = False):
     """The policy's per-token log-probs and entropies ([rows, L]) on one micro-batch, any layout, each token at the
     temperature its sequence was sampled with (``mb.temperature``; ``temperature`` where none was recorded)."""
-    temp = mb.temperature if mb.temperature is not None else temperature
-    return engine(**mb.model_inputs(), temperature=temp, entropy=True, vocab_cov=vocab_cov, sum_p2=sum_p2)
+    return engine(**mb.model_inputs(), temperature=mb.temperature_or(temperature), entropy=True, vocab_cov=vocab_cov,
+                  sum_p2=sum_p2)
 
 
 def compute_old_logprobs(engine, seqs: list[Sequence], cfg: Config, pad_id: int, device: torch.device,

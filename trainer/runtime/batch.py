@@ -91,6 +91,10 @@ class MicroBatch:
     def packed(self) -> bool:
         return self.position_ids is not None
 
+    def temperature_or(self, default: float) -> float | torch.Tensor:
+        """The temperature to score these tokens at: the sequences' own (``temperature``), else ``default``."""
+        return self.temperature if self.temperature is not None else default
+
     def model_inputs(self) -> dict[str, torch.Tensor]:
         """Keyword arguments of ``PolicyModel.forward`` for this layout."""
         inputs = {"input_ids": self.input_ids, "attention_mask": self.attention_mask, "labels": self.labels}

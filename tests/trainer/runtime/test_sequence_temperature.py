@@ -64,3 +64,27 @@ def test_shared_or_missing_temperature_stays_a_float():
     assert same[0].temperature == 0.7
     none = micro_batches(_seqs([None, None]), budget=10_000, pad_id=0, device=torch.device("cpu"))
     assert none[0].temperature is None
+
+
+def test_reference_logprobs_take_each_sequences_temperature():
+    """The reference / PRIME reward model's log-probs (``response_logprobs``) score a sequence at its own sampling
+    temperature, as the policy's forward does, so log π − log π_ref compares like with like."""
+    from fastcov.trainer.token_level.prime import response_logprobs
+
+    model = _policy().eval()
+    temps = [0.6, 1.4, None, 0.9]
+    seqs = _seqs(temps)
+    kw = {"budget": 10_000}
+    mixed = response_logprobs(model, seqs, 0, torch.device("cpu"), kw, temperature=1.2)
+    for i, s in enumerate(seqs):
+        alone = response_logprobs(model, [s], 0, torch.device("cpu"), kw, temperature=1.2)[0]
+        # a sequence with no recorded temperature in a mixed batch takes the first recorded one (0.6), alone the
+        # default (1.2): compare it at 0.6
+        expect = alone if temps[i] is not None else response_logprobs(
+            model, [Sequence(s.prompt, s.response, s.sample_logprob, s.group)], 0, torch.device("cpu"), kw, 0.6)[0]
+        # the same fp32 sums over the vocabulary; the decoder's rows differ only by padding
+        torch.testing.assert_close(torch.tensor(mixed[i]), torch.tensor(expect), atol=2e-5, rtol=1e-5)
+    at_default = response_logprobs(model, seqs[1:2], 0, torch.device("cpu"), kw, temperature=1.2)[0]
+    scalar = response_logprobs(model, [Sequence(seqs[1].prompt, seqs[1].response, seqs[1].sample_logprob, 1)], 0,
+                               torch.device("cpu"), kw, 1.2)[0]
+    assert max(abs(a - b) for a, b in zip(at_default, scalar, strict=True)) > 1e-3  # 1.4 ≠ 1.2: the test can tell
