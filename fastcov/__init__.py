@@ -20,6 +20,7 @@ from fastcov.covariance import token_covariance, token_covariance_and_keys
 from fastcov.dynamics import DynamicsConfig, DynamicsRun, TabularProblem, predicted_entropy_change, simulate
 from fastcov.entropy_control import EntropyController, all_rank_entropy
 from fastcov.law import EntropyLaw, fit_entropy_law
+from fastcov.log import configure as _configure_logging
 from fastcov.losses import (
     LossConfig,
     Selection,
@@ -33,6 +34,8 @@ from fastcov.losses import register as register_policy_loss
 from fastcov.ops import LogprobEntropy, VocabParallel, linear_logprob_entropy, logprob_entropy_from_logits
 from fastcov.schedules import PositiveWeightSchedule
 from fastcov.selection import select_random_in_band, select_top_covariance
+
+_configure_logging()  # fastcov's own messages: the "fastcov" logger, rank 0, FASTCOV_LOG_LEVEL (fastcov/log.py)
 
 # The one place the version is written (pyproject.toml reads it); semantic versioning, CHANGELOG.md.
 __version__ = "0.4.0"

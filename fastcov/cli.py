@@ -8,6 +8,11 @@ raised anywhere below as a ``UserError`` and printed here as one line on stderr,
 wrong and what to do``, exit status ``UserError.exit_code`` (2 by default). Anything else is a bug and
 keeps its traceback. ``--debug`` (anywhere on the command line) or ``FASTCOV_DEBUG=1`` re-raises user
 errors too, with their traceback. Exit codes are listed in docs/reliability.md.
+
+Flags and ``KEY=VALUE`` overrides may come in any order (argparse's intermixed parsing), and ``--version``
+prints the installed version. ``--quiet`` / ``--verbose`` (anywhere) set the level of fastcov's own messages
+(fastcov/log.py): warnings and errors only / debug messages too; ``--quiet`` also hides the training progress
+bar. ``python -m fastcov`` is the same command.
 """
 
 from __future__ import annotations
@@ -26,11 +31,18 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "report": ("fastcov.trainer.commands.report", "write report.md and plots from run directories"),
     "fit-law": ("fastcov.law_cli", "fit the entropy law R = -a*exp(H) + b to a metrics.jsonl"),
     "plan": ("fastcov.plan", "per-GPU memory plan for a model, GPU count and token budget"),
+    "push": ("fastcov.trainer.commands.push", "upload a run's final model to the Hugging Face Hub"),
 }
 
 
 def debug_enabled() -> bool:
     return os.environ.get("FASTCOV_DEBUG", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def _version() -> str:
+    from fastcov import __version__
+
+    return __version__
 
 
 class _Parser(argparse.ArgumentParser):
@@ -40,9 +52,24 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see {self.prog} --help)")
 
 
-def _take_debug(argv: list[str]) -> tuple[list[str], bool]:
-    rest = [a for a in argv if a != "--debug"]
+def _take_flag(argv: list[str], flag: str) -> tuple[list[str], bool]:
+    """``argv`` without ``flag`` (accepted anywhere on the command line), and whether it was there."""
+    rest = [a for a in argv if a != flag]
     return rest, len(rest) != len(argv)
+
+
+def _take_verbosity(argv: list[str]) -> list[str]:
+    """--quiet (warnings and errors only) / --verbose (debug messages too), anywhere: fastcov's log level
+    (fastcov/log.py), in this process and those it starts."""
+    from fastcov.log import set_verbosity
+
+    argv, quiet = _take_flag(argv, "--quiet")
+    argv, verbose = _take_flag(argv, "--verbose")
+    if quiet and verbose:
+        raise UsageError("--quiet and --verbose contradict each other; give one")
+    if quiet or verbose:
+        set_verbosity("WARNING" if quiet else "DEBUG")
+    return argv
 
 
 def _take_local_rank(argv: list[str]) -> list[str]:
@@ -63,14 +90,26 @@ def _take_local_rank(argv: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = _take_local_rank(sys.argv[1:] if argv is None else list(argv))
-    argv, debug = _take_debug(argv)
+    argv, debug = _take_flag(argv, "--debug")
     debug = debug or debug_enabled()
+    try:
+        argv = _take_verbosity(argv)
+    except UserError as exc:
+        print(f"fastcov: {one_line(exc)}", file=sys.stderr)
+        return exc.exit_code
     parser = _Parser(prog="fastcov", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, help_text) in SUBCOMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
+    parser.add_argument("--version", action="version", version=f"fastcov {_version()}")
+    parser.add_argument("--quiet", action="store_true", help="only warnings and errors (anywhere on the line)")
+    parser.add_argument("--verbose", action="store_true", help="debug messages too (anywhere on the line)")
+    parser.add_argument("--debug", action="store_true", help="tracebacks for user errors too (FASTCOV_DEBUG=1)")
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
+        return 0
+    if argv[0] == "--version":
+        print(f"fastcov {_version()}")
         return 0
     name = argv[0]
     prog = f"fastcov {name}" if name in SUBCOMMANDS else "fastcov"
@@ -86,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
         sub_parser = _Parser(prog=prog, description=help_text)
         module.add_arguments(sub_parser)
-        args = sub_parser.parse_args(argv[1:])
+        # flags anywhere among the positionals (`fastcov train CONFIG --overwrite trainer.max_steps=6`)
+        args = sub_parser.parse_intermixed_args(argv[1:])
         return int(module.run(args) or 0)
     except UserError as exc:
         if debug:

@@ -111,7 +111,7 @@ def rollout_correction(
     *,
     level: str = "token",
     mode: str = "truncate",
-    clip_max: float = 2.0,
+    clip_max: float | None = 2.0,
     clip_min: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Importance weights π_old / π_rollout of the rollout's tokens, truncated or masked.
@@ -123,24 +123,25 @@ def rollout_correction(
         level: "token" (a weight per token) or "sequence" (exp of the row's summed log-ratio, on each of its
             valid tokens).
         mode: "truncate" (clamp the weights to [clip_min, clip_max]) or "mask" (weights outside
-            [clip_min, clip_max] become 0; no lower bound when clip_min is None).
-        clip_max: the upper ratio bound, > 0.
+            [clip_min, clip_max] become 0; no bound on the side given as None).
+        clip_max: the upper ratio bound, > 0 (None: no upper bound, TRL's ``vllm_importance_sampling_clip_max=None``;
+            a bound past the range of log_ratio's dtype bounds nothing either).
         clip_min: the lower ratio bound, > 0 and ≤ clip_max (None: no lower bound).
 
     Returns:
         (weights, metrics). weights: [B, T] of log_ratio's dtype, detached, 0 on padding. metrics: verl's
         ``rollout_is_*`` statistics (mean, max, min, ratio_fraction_high/low, std, eff_sample_size,
         seq_mean/std/max/min/max_deviation/fraction_high/fraction_low and, in mask mode, oob_ratio),
-        detached 0-dim tensors; the "low" bound of the fractions is clip_min, or 1/clip_max without it.
+        detached 0-dim tensors; the "low" bound of the fractions is clip_min, or 1/clip_max without it (none without
+        either), the "high" bound clip_max (none without it).
     """
     if level not in LEVELS:
         raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
     if mode not in IS_MODES:
         raise ValueError(f"mode must be one of {IS_MODES}, got {mode!r}")
-    upper = _check_bound("clip_max", clip_max)
+    upper = _check_bound("clip_max", clip_max, optional=True)
     lower = _check_bound("clip_min", clip_min, optional=True)
-    assert upper is not None
-    if lower is not None and lower > upper:
+    if lower is not None and upper is not None and lower > upper:
         raise ValueError(f"clip_min must be ≤ clip_max, got {lower} > {upper}")
     valid = _check_pair("log_ratio", log_ratio, mask)
     with torch.no_grad():
@@ -153,33 +154,39 @@ def rollout_correction(
             raw = bounded_exp(seq).expand_as(log_ratio)
             log_for_metrics = seq
         raw = _zero(raw, valid)
+        # the comparisons below take Python floats of any size; only a clamp's bound must fit the dtype, and one
+        # past its range bounds nothing (the weights are at most e^20)
+        finite_max = torch.finfo(raw.dtype).max
+        high = math.inf if upper is None else upper
+        low = -math.inf if lower is None else lower
         if mode == "truncate":
-            weights = _zero(raw.clamp(min=lower, max=upper), valid)
+            cap = None if high > finite_max else high
+            weights = raw if lower is None and cap is None else _zero(raw.clamp(min=lower, max=cap), valid)
         else:
-            inside = raw <= upper if lower is None else (raw >= lower) & (raw <= upper)
-            weights = _zero(raw, inside)
+            weights = _zero(raw, (raw >= low) & (raw <= high))
         metrics = _is_metrics(weights, raw, log_for_metrics, valid, level, upper, lower)
         if mode == "mask":
-            low = -math.inf if lower is None else lower
-            metrics["rollout_is_oob_ratio"] = _mean(((raw < low) | (raw > upper)).to(raw.dtype), valid)
+            metrics["rollout_is_oob_ratio"] = _mean(((raw < low) | (raw > high)).to(raw.dtype), valid)
     return weights, metrics
 
 
 def _is_metrics(weights, raw, log_for_metrics, valid, level, upper, lower) -> dict[str, torch.Tensor]:
     dtype = weights.dtype
-    low = 1.0 / upper if lower is None else lower
+    high = math.inf if upper is None else upper  # no upper bound: nothing is high, and (without clip_min) nothing low
+    low = lower if lower is not None else 0.0 if upper is None else 1.0 / upper
     m: dict[str, torch.Tensor] = {"rollout_is_mean": _mean(weights, valid)}
     if level == "sequence":  # one log-ratio per row (rows without valid tokens count, with 0)
         m["rollout_is_max"] = torch.exp(log_for_metrics.max().clamp(max=EXP_BOUND))
         m["rollout_is_min"] = torch.exp(log_for_metrics.min())
-        m["rollout_is_ratio_fraction_high"] = (log_for_metrics > math.log(upper)).to(dtype).mean()
-        m["rollout_is_ratio_fraction_low"] = (log_for_metrics < math.log(low)).to(dtype).mean()
+        m["rollout_is_ratio_fraction_high"] = (log_for_metrics > math.log(high)).to(dtype).mean()
+        m["rollout_is_ratio_fraction_low"] = (log_for_metrics < (math.log(low) if low > 0 else -math.inf)).to(
+            dtype).mean()
     else:
-        m["rollout_is_ratio_fraction_high"] = _mean((raw > upper).to(dtype), valid)
+        m["rollout_is_ratio_fraction_high"] = _mean((raw > high).to(dtype), valid)
         m["rollout_is_ratio_fraction_low"] = _mean((raw < low).to(dtype), valid)
         m["rollout_is_max"] = _max(weights, valid)
         m["rollout_is_min"] = _min(weights, valid)
-    bounded = weights.clamp(0.0, upper)
+    bounded = weights if high > torch.finfo(dtype).max else weights.clamp(0.0, high)
     mean_bounded = _mean(bounded, valid)
     if int(valid.sum()) > 1:
         m["rollout_is_std"] = (_mean(bounded.square(), valid) - mean_bounded.square()).clamp(min=0.0).sqrt()
@@ -193,7 +200,7 @@ def _is_metrics(weights, raw, log_for_metrics, valid, level, upper, lower) -> di
     m["rollout_is_seq_min"] = seq_weights.min()
     m["rollout_is_seq_max_deviation"] = (seq_weights - 1.0).abs().max()
     raw_seq = _mean(raw, valid, dim=-1)
-    m["rollout_is_seq_fraction_high"] = (raw_seq > upper).to(dtype).mean()
+    m["rollout_is_seq_fraction_high"] = (raw_seq > high).to(dtype).mean()
     m["rollout_is_seq_fraction_low"] = (raw_seq < low).to(dtype).mean()
     return m
 

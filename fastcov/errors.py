@@ -27,6 +27,11 @@ class UsageError(UserError):
     """A bad command line (argparse's complaint)."""
 
 
+class MissingPackage(UserError, ImportError):
+    """An optional package the config asks for (vLLM, peft, bitsandbytes) is not installed or not a supported
+    version; the message names the setting and the extra to install (exit status 2)."""
+
+
 def one_line(message: object) -> str:
     """``message`` as a single line (later lines of a multi-line message are joined with ' | ')."""
     lines = [ln.strip() for ln in str(message).splitlines() if ln.strip()]

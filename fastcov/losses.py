@@ -6,6 +6,7 @@ Per token (r = exp(logp − old_logp); the formulas of docs/design.md §4)::
     clip_cov  ℓ = vanilla ℓ · (1 − sel),  sel = min(k, #candidates) random tokens with lb < c_t < ub
               among valid tokens PPO did not already clip
     kl_cov    ℓ = −A·r + β·|logp − old_logp|·sel,  sel = the k tokens with the largest c_t
+    kl_cov_penalty  ℓ = β·|logp − old_logp|·sel (KL-Cov's penalty alone, to add to another mode's loss)
     k = max(1, ⌊ratio · n_valid⌋)
 
 Modes are short pure functions ``(logprob, old_logprob, advantages, selected, config) -> [B, T]``
@@ -60,7 +61,7 @@ class LossConfig:
     """Hyper-parameters of every mode and modifier (frozen; use ``dataclasses.replace`` to change).
 
     clip_low, clip_high: PPO clip range [1 − clip_low, 1 + clip_high] (DAPO clip-higher: clip_high > clip_low).
-    dual_clip_c: dual-clip constant c > 1 for A < 0 (None: no dual clip). Applies to vanilla and clip_cov.
+    dual_clip_c: dual-clip constant c > 1 for A < 0 (None: no dual clip). Applies to vanilla, clip_cov and gspo.
     clip_cov_ratio, clip_cov_lb, clip_cov_ub: Clip-Cov fraction and open covariance band.
     kl_cov_ratio, kl_cov_coef: KL-Cov fraction and β.
     cispo_clip_max, cispo_clip_min: CISPO's bounds on sg(r) (min None: none); sapo_tau_pos, sapo_tau_neg:
@@ -275,7 +276,8 @@ def ppo_clipped(logprob, old_logprob, advantages, config: LossConfig) -> torch.T
     return clipped > unclipped
 
 
-def _dual_clip(loss: torch.Tensor, advantages: torch.Tensor, config: LossConfig) -> torch.Tensor:
+def dual_clip(loss: torch.Tensor, advantages: torch.Tensor, config: LossConfig) -> torch.Tensor:
+    """PPO's per-token loss [B, T] with the dual clip: at most −A·dual_clip_c where A < 0 (unchanged without it)."""
     if config.dual_clip_c is None:
         return loss
     return torch.where(advantages < 0, torch.minimum(loss, -advantages * config.dual_clip_c), loss)
@@ -305,14 +307,14 @@ def vanilla_loss(logprob, old_logprob, advantages, selected, config: LossConfig)
     """PPO/GRPO clip, DAPO clip-higher, optional dual clip. The log-ratio is clamped to ±20 (as verl)."""
     ratio = torch.exp((logprob - old_logprob).clamp(-20.0, 20.0))
     unclipped, clipped = ppo_clip_terms(ratio, advantages, config)
-    return _dual_clip(torch.maximum(unclipped, clipped), advantages, config)
+    return dual_clip(torch.maximum(unclipped, clipped), advantages, config)
 
 
 @register("clip_cov", selector=_clip_cov_selector, random_keys=True)
 def clip_cov_loss(logprob, old_logprob, advantages, selected, config: LossConfig) -> torch.Tensor:
     """PPO clip loss with the selected tokens' loss (and gradient) set to 0."""
     unclipped, clipped = ppo_clip_terms(torch.exp(logprob - old_logprob), advantages, config)
-    loss = _dual_clip(torch.maximum(unclipped, clipped), advantages, config)
+    loss = dual_clip(torch.maximum(unclipped, clipped), advantages, config)
     return torch.where(selected, torch.zeros_like(loss), loss)
 
 
@@ -325,6 +327,14 @@ def kl_cov_loss(logprob, old_logprob, advantages, selected, config: LossConfig) 
     """
     log_ratio = logprob - old_logprob
     return -advantages * torch.exp(log_ratio) + config.kl_cov_coef * log_ratio.abs() * selected
+
+
+@register("kl_cov_penalty", selector=_kl_cov_selector)
+def kl_cov_penalty(logprob, old_logprob, advantages, selected, config: LossConfig) -> torch.Tensor:
+    """KL-Cov's penalty alone, β·|logp − old_logp| on the selected tokens: added to another mode's loss (CISPO, SAPO,
+    VESPO, GSPO: no token clip for Clip-Cov to act inside), it gives that mode KL-Cov's control. The TRL integration
+    adds it for fastcov_loss_mode="kl_cov" with those losses. Like KL-Cov, 0 on-policy."""
+    return config.kl_cov_coef * (logprob - old_logprob).abs() * selected
 
 
 # ---------------------------------------------------------------- aggregation
@@ -839,8 +849,10 @@ __all__ = [
     "available_modes",
     "clip_cov_loss",
     "compute_global_selection",
+    "dual_clip",
     "get_policy_loss",
     "kl_cov_loss",
+    "kl_cov_penalty",
     "policy_loss",
     "ppo_clip_terms",
     "ppo_clipped",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 GIB = 1024**3
 
@@ -240,19 +241,28 @@ def _weight_bytes(model: ModelShape, lora_rank: int, quantization: str, b: int =
     return NF4_BYTES * linear + b * (psi - linear) + b * model.lora_parameters(lora_rank)
 
 
+# `fastcov plan --model` without --tokens-per-gpu: the trainer's trainer.micro_token_budget default
+DEFAULT_TOKENS_PER_GPU = 8192
+
+
+def default_zero_stage(gpus: int, quantization: str = "none") -> int:
+    """--zero's default: nothing to shard on one GPU; ZeRO-3 on several, ZeRO-2 for a 4-bit base (ZeRO-3 cannot
+    partition 4-bit weights)."""
+    if gpus == 1:
+        return 0
+    return 2 if quantization == "4bit" else 3
+
+
 # vLLM after a level-2 sleep keeps neither weights nor KV cache; its CUDA graphs and allocator pool stay.
 # An assumption until a GPU run measures it (docs/trainer.md).
 VLLM_SLEEP_RESIDUE_GIB = 2.0
 
 
 def model_shape_of(mcfg) -> ModelShape:
-    """The shape of a trainer ``model`` section: a Qwen2.5 preset by the name in ``model.path``
-    (``Qwen/Qwen2.5-32B``), a local directory's config.json, or the inline ``model.arch``."""
+    """The shape of a trainer ``model`` section: ``model.path`` as ``load_model_shape`` reads it (a local
+    directory's config.json, a Qwen2.5 preset by its Hub name, a cached Hub config), or the inline ``model.arch``."""
     if mcfg.path is not None:
-        name = str(mcfg.path).rstrip("/").rsplit("/", 1)[-1].lower()
-        if name in QWEN25:
-            return QWEN25[name]
-        return load_model_shape(str(mcfg.path))
+        return load_model_shape(str(mcfg.path), flag="model.path")
     arch = dict(mcfg.arch or {})
     arch.setdefault("vocab_size", 32000)
     return ModelShape.from_hf_config(arch, name="arch")
@@ -349,10 +359,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="plan a trainer config (a recipe) as it would run: its model, ZeRO stage, offload, "
                              "token budget and rollout engine (then --gpus defaults to 8)")
     parser.add_argument("--model",
-                        help=f"a preset ({', '.join(QWEN25)}) or the path of a Hugging Face config.json")
-    parser.add_argument("--gpus", type=int, help="data-parallel GPUs sharing the ZeRO state")
-    parser.add_argument("--tokens-per-gpu", type=int, help="tokens in one micro-batch per GPU")
-    parser.add_argument("--zero", type=int, default=3, choices=(0, 1, 2, 3), help="ZeRO stage (default 3)")
+                        help=f"a preset ({', '.join(QWEN25)}), a Hub id (Qwen/Qwen2.5-7B; other ids from the local "
+                             "Hugging Face cache, never downloaded), a model directory or config.json path, or a "
+                             ".gguf file (or a directory holding one)")
+    parser.add_argument("--gpus", type=int,
+                        help="data-parallel GPUs sharing the ZeRO state (default 1; with --config 8)")
+    parser.add_argument("--tokens-per-gpu", type=int,
+                        help=f"tokens in one micro-batch per GPU (default {DEFAULT_TOKENS_PER_GPU}, "
+                             "trainer.micro_token_budget's default)")
+    parser.add_argument("--zero", type=int, default=None, choices=(0, 1, 2, 3),
+                        help="ZeRO stage (default: 0 on one GPU; on several 3, or 2 with --quantization 4bit)")
     parser.add_argument("--gpu-memory", type=float, default=80.0, help="GiB per GPU (default 80)")
     parser.add_argument("--rollout-tp", type=int, default=2, help="rollout tensor-parallel size (default 2)")
     parser.add_argument("--kv-tokens", type=int, default=None,
@@ -371,27 +387,121 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
-def load_model_shape(spec: str) -> ModelShape:
+def preset_of(spec: str) -> ModelShape | None:
+    """The Qwen2.5 preset a name or Hub id names (``qwen2.5-7b``, ``Qwen/Qwen2.5-7B``, ``Qwen/Qwen2.5-7B-Instruct``:
+    an instruct model has its base's shape), or None."""
+    name = spec.rstrip("/").rsplit("/", 1)[-1].lower()
+    return QWEN25.get(name.removesuffix("-instruct"))
+
+
+def _read_config(path: Path, flag: str, name: str) -> ModelShape:
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except OSError as exc:
+        raise ValueError(f"{flag}: cannot read {str(path)!r} ({exc.strerror or exc})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{flag}: {str(path)!r} is not valid JSON ({getattr(exc, 'msg', exc)})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{flag}: {str(path)!r} must hold a JSON object (a Hugging Face config.json)")
+    try:
+        return ModelShape.from_hf_config(config, name=name)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{flag}: {str(path)!r}: {exc}") from None
+
+
+def _cached_hub_config(repo_id: str) -> str | None:
+    """The config.json of Hub model ``repo_id`` in the local Hugging Face cache, never downloaded; None if absent."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    try:
+        found = try_to_load_from_cache(repo_id, "config.json")
+    except ValueError:  # not a valid repo id
+        return None
+    return found if isinstance(found, str) else None
+
+
+def load_model_shape(spec: str, flag: str = "--model") -> ModelShape:
+    """The shape ``spec`` names, read offline: a preset (``qwen2.5-7b``), a local model directory or config.json,
+    a Hub id of a preset (``Qwen/Qwen2.5-7B``), or any other Hub id whose config.json is in the local Hugging Face
+    cache. Nothing is downloaded. ``flag``: how errors name the setting."""
     if spec.lower() in QWEN25:
         return QWEN25[spec.lower()]
-    if spec.endswith(".json") or "/" in spec:
-        path = spec if spec.endswith(".json") else f"{spec.rstrip('/')}/config.json"
-        try:
-            with open(path, encoding="utf-8") as f:
-                config = json.load(f)
-        except FileNotFoundError:
-            raise ValueError(f"--model: no such config file {path!r}") from None
-        except OSError as exc:
-            raise ValueError(f"--model: cannot read {path!r} ({exc.strerror or exc})") from None
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"--model: {path!r} is not valid JSON ({getattr(exc, 'msg', exc)})") from None
-        if not isinstance(config, dict):
-            raise ValueError(f"--model: {path!r} must hold a JSON object (a Hugging Face config.json)")
-        try:
-            return ModelShape.from_hf_config(config, name=spec)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"--model: {path!r}: {exc}") from None
-    raise ValueError(f"--model: unknown preset {spec!r}; presets are {', '.join(QWEN25)} or a config.json path")
+    if (gguf := _gguf_in(spec)) is not None:
+        return gguf_model_shape(gguf, name=spec)
+    local = Path(spec).expanduser()
+    if local.is_dir():
+        if not (local / "config.json").is_file():
+            raise ValueError(f"{flag}: {spec!r} is a directory without config.json; give a Hugging Face model "
+                             "directory")
+        return _read_config(local / "config.json", flag, spec)
+    if local.is_file():
+        return _read_config(local, flag, spec)
+    preset = preset_of(spec)
+    if preset is not None:
+        return preset
+    if spec.endswith(".json") or spec.startswith((".", "/", "~")) or spec.count("/") > 1:
+        raise ValueError(f"{flag}: no such config file or directory {spec!r}")
+    if spec.count("/") == 1:  # a Hub id
+        cached = _cached_hub_config(spec)
+        if cached is not None:
+            return _read_config(Path(cached), flag, spec)
+        raise ValueError(f"{flag}: the Hub model {spec!r} is not a preset and its config.json is not in the Hugging "
+                         f"Face cache (plan never downloads): fetch it (hf download {spec} config.json) or give a "
+                         f"local directory; presets: {', '.join(QWEN25)}")
+    raise ValueError(f"{flag}: unknown preset {spec!r}; presets are {', '.join(QWEN25)}, a Hub id (Qwen/Qwen2.5-7B), "
+                     "or a model directory or config.json path")
+
+
+def _gguf_in(spec: str) -> str | None:
+    """The GGUF file ``spec`` names: itself (``*.gguf``), or the one in a directory without config.json."""
+    import os
+
+    if spec.lower().endswith(".gguf"):
+        return spec
+    if os.path.isdir(spec) and not os.path.isfile(os.path.join(spec, "config.json")):
+        found = sorted(f for f in os.listdir(spec) if f.lower().endswith(".gguf"))
+        if len(found) == 1:
+            return os.path.join(spec, found[0])
+    return None
+
+
+def gguf_model_shape(path: str, name: str = "gguf") -> ModelShape:
+    """The shape of the model in a GGUF file, from its header (llama.cpp's ``<arch>.embedding_length``, ...;
+    the tensors are not read). Needs the ``gguf`` package (``fastcov[gguf]``)."""
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        raise ValueError(f"--model: {path!r} is a GGUF file, and reading one needs the gguf package: "
+                         "pip install 'fastcov[gguf]'") from None
+    try:
+        reader = GGUFReader(path)
+    except FileNotFoundError:
+        raise ValueError(f"--model: no such GGUF file {path!r}") from None
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--model: {path!r} is not a readable GGUF file ({exc})") from None
+
+    def value(key: str):
+        field = reader.fields.get(key)
+        if field is None:
+            raise ValueError(f"--model: {path!r} has no {key!r} in its header")
+        part = field.parts[field.data[0]]
+        return bytes(part).decode("utf-8") if key == "general.architecture" else part.tolist()[0]
+
+    arch = value("general.architecture")
+    heads = int(value(f"{arch}.attention.head_count"))
+    try:
+        kv_heads = int(value(f"{arch}.attention.head_count_kv"))
+    except ValueError:
+        kv_heads = heads
+    tensors = {t.name for t in reader.tensors}
+    return ModelShape(name=name, hidden_size=int(value(f"{arch}.embedding_length")),
+                      intermediate_size=int(value(f"{arch}.feed_forward_length")),
+                      num_layers=int(value(f"{arch}.block_count")), num_heads=heads, num_kv_heads=kv_heads,
+                      vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data),
+                      tie_embeddings="output.weight" not in tensors, qkv_bias="blk.0.attn_q.bias" in tensors)
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -484,10 +594,13 @@ def run(args: argparse.Namespace) -> int:
             plan = _plan_config(args)
             print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
             return 0 if plan.fits() else 1
-        for flag, value in (("--model", args.model), ("--gpus", args.gpus), ("--tokens-per-gpu", args.tokens_per_gpu)):
-            if value is None:
-                raise ValueError(f"{flag} is required (or plan a trainer config with --config)")
+        if args.model is None:
+            raise ValueError("--model is required (or plan a trainer config with --config)")
+        args.gpus = 1 if args.gpus is None else args.gpus
+        args.tokens_per_gpu = DEFAULT_TOKENS_PER_GPU if args.tokens_per_gpu is None else args.tokens_per_gpu
         _check_args(args)
+        if args.zero is None:
+            args.zero = default_zero_stage(args.gpus, args.quantization)
         model = load_model_shape(args.model)
         plan = plan_memory(model, gpus=args.gpus, tokens_per_gpu=args.tokens_per_gpu, zero_stage=args.zero,
                            gpu_memory_gib=args.gpu_memory, rollout_tp=args.rollout_tp,

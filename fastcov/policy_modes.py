@@ -13,10 +13,12 @@ Per token, r = exp(logp − old_logp) (exponent bounded to ±20, as verl), sg = 
            ℓ = −sg(exp(λ + k·log w − λ·w)) · A · logp   (VESPO's gamma weight, 1 at w = 1; a sequence per row)
 
 ``policy_loss`` applies to them what it applies to every mode: λ± weights, the high-entropy mask, the rollout
-correction's ``weights``, the aggregation and the entropy bonus. They select no tokens, so Clip-Cov / KL-Cov (a
-selection inside a mode) is not combined with them, and ``dual_clip_c`` does not apply (the trainer refuses both
-combinations in one line). The sequence modes read a row as one sequence, or with packed rows each sequence
-(``policy_loss``'s ``segments``). Registered on ``import fastcov``. docs/design.md §4.
+correction's ``weights``, the aggregation and the entropy bonus. They select no tokens: Clip-Cov (a selection inside
+PPO's token clip) is not combined with them, while KL-Cov's control is their loss plus mode ``kl_cov_penalty``'s (the
+TRL integration's fastcov_loss_mode="kl_cov" with them). ``dual_clip_c`` applies to gspo (PPO's clip on the sequence
+ratio, TRL's ``delta``), not to the others (the trainer refuses it with them in one line). The sequence modes read a
+row as one sequence, or with packed rows each sequence (``policy_loss``'s ``segments``). Registered on
+``import fastcov``. docs/design.md §4.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import math
 import torch
 
 from fastcov.correction import EXP_BOUND, bounded_exp
-from fastcov.losses import LossConfig, ppo_clip_terms, register
+from fastcov.losses import LossConfig, dual_clip, ppo_clip_terms, register
 
 GSPO_LOG_RATIO_CAP = 10.0
 VESPO_LOG_W_MIN = math.log(1e-8)  # VESPO's reference code clamps w at 1e-8 from below
@@ -41,10 +43,11 @@ def cispo_loss(logprob, old_logprob, advantages, selected, config: LossConfig) -
 
 @register("gspo", sequence_ratio=True)
 def gspo_loss(logprob, old_logprob, advantages, selected, config: LossConfig) -> torch.Tensor:
-    """PPO clip on the sequence ratio s (``old_logprob`` arrives as the sequence form, see ``register``)."""
+    """PPO clip on the sequence ratio s (``old_logprob`` arrives as the sequence form, see ``register``), and the dual
+    clip (``dual_clip_c``: the loss of A < 0 at most −A·c, TRL's ``delta``) on it."""
     ratio = torch.exp((logprob - old_logprob).clamp(max=GSPO_LOG_RATIO_CAP))
     unclipped, clipped = ppo_clip_terms(ratio, advantages, config)
-    return torch.maximum(unclipped, clipped)
+    return dual_clip(torch.maximum(unclipped, clipped), advantages, config)
 
 
 @register("sapo")

@@ -1,4 +1,5 @@
-"""Agreement of two implementations' discrete outputs (greedy tokens, top-k indices) that is robust to near-ties.
+"""Agreement of two implementations: discrete outputs (greedy tokens, top-k indices) robust to near-ties, and the
+tolerance of two fp32 training runs' losses derived from what they sum.
 
 Two correct implementations of the same model agree on an argmax only where the reference's top-2 margin is
 larger than their numerical difference: GEMM paths picked by the CPU's ISA (AVX2, AVX-512, AMX), batch shapes
@@ -57,3 +58,30 @@ def topk_agreement(index: torch.Tensor, ref_scores: torch.Tensor, k: int, eps: f
     close = ((picked - ref_top.values).abs() <= eps).all(-1)
     return {"rows": int(idx.shape[0]), "exact": int(exact.sum()), "near_tie": int((~exact & close).sum()),
             "differ": int((~close).sum())}
+
+
+FP32_UNIT_ROUNDOFF = 2.0 ** -24
+
+
+def loss_term_scale(advantages: torch.Tensor, logprob: torch.Tensor, mask: torch.Tensor) -> float:
+    """Mean magnitude of the per-token terms a policy loss sums: |A_t|·max(1, |log π_t|) over the valid tokens of
+    ``mask`` [B, T] (``advantages`` [B] or [B, T], ``logprob`` [B, T]). It bounds every loss of the GRPO family:
+    ratio terms are |A·r| with r ≈ 1, REINFORCE-style terms (VESPO, CISPO) |A·log π|, and the KL terms are far
+    smaller; the terms cancel in the mean, so the loss itself can be much smaller than this."""
+    adv = advantages.detach().double()
+    adv = adv[:, None] if adv.dim() == 1 else adv
+    terms = adv.abs() * logprob.detach().double().abs().clamp(min=1.0)
+    valid = mask.bool()
+    return float(terms.expand_as(valid)[valid].mean()) if bool(valid.any()) else 0.0
+
+
+def fp32_loss_tolerance(tokens: int, term_scale: float, step: int) -> float:
+    """How far two correct fp32 implementations' losses may lie apart at optimizer step ``step`` (1-based) when the
+    loss is a mean of ``tokens`` terms of mean magnitude ``term_scale`` (``loss_term_scale``).
+
+    One evaluation: recursive summation of n terms errs by at most (n − 1)·u·Σ|t_i|, so the mean by n·u·S (u the
+    fp32 unit roundoff); the two sides also order their sums differently, by thread count and ISA. Each earlier step
+    left the two sides' parameters apart by that step's own rounding, which the loss carries forward at first
+    order: one such share per step. A real difference (a wrong sign, a missing term, a token off the mask) moves
+    the loss by about S/n or more, orders of magnitude above this."""
+    return step * tokens * FP32_UNIT_ROUNDOFF * term_scale

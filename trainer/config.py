@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -177,9 +178,10 @@ class CodeRewardConfig:
 
     cpu_s: float = 2.0  # CPU seconds per test run
     wall_s: float = 6.0  # wall clock per test run, then SIGKILL
-    memory_mb: int = 512  # address space (RLIMIT_AS)
+    memory_mb: int = 512  # all the program's processes (a cgroup where one can be made), else address space each
     nproc: int = 8  # processes (RLIMIT_NPROC)
     max_output_kb: float = 1024.0  # stdout cap per run
+    disk_mb: float = 32.0  # all the program may write, forks included (its work dir is a tmpfs this size)
     # A SandboxFusion /run_code endpoint (e.g. http://host:8080/run_code): programs run there instead.
     sandbox_fusion_url: str | None = None
 
@@ -208,6 +210,7 @@ class RewardConfig:
         _check(c.memory_mb >= 32, "reward.code.memory_mb", f"must be >= 32, got {c.memory_mb}")
         _check(c.nproc >= 1, "reward.code.nproc", f"must be >= 1, got {c.nproc}")
         _check(c.max_output_kb > 0, "reward.code.max_output_kb", "must be > 0")
+        _check(c.disk_mb > 0, "reward.code.disk_mb", f"must be > 0, got {c.disk_mb}")
         _check(c.sandbox_fusion_url is None or c.sandbox_fusion_url.startswith(("http://", "https://")),
                "reward.code.sandbox_fusion_url", "must start with http:// or https://")
 
@@ -545,9 +548,15 @@ class TrainerConfig:
     offload_activations: bool = False
     keep_last: int = 2
     progress: bool = True
-    tensorboard: bool = False
-    wandb: bool = False
-    wandb_project: str = "fastcov"
+    # Where the metrics go besides metrics.jsonl (TRL's report_to, verl's trainer.logger), through accelerate's
+    # trackers: tensorboard (pip install 'fastcov[tensorboard]'; <run_dir>/tensorboard), wandb, mlflow, comet_ml,
+    # aim, clearml, dvclive, swanlab, trackio, or one a trainer.imports module registers
+    # (accelerate.tracking.register_tracker_class); "all": every installed one; [] or "none": none.
+    report_to: str | list[str] = field(default_factory=list)
+    project: str = "fastcov"  # the trackers' project (W&B project, MLflow experiment); runs are named by run_dir
+    # A Hub repo id (user/name): at the end of a run that reaches max_steps rank 0 uploads final/ there
+    # (huggingface_hub; token from HF_TOKEN or `hf auth login`), as `fastcov push RUN_DIR --repo ID` does.
+    push_to_hub: str | None = None
 
     def validate(self) -> None:
         """Range checks of this section's own fields; raises ConfigError naming the key."""
@@ -568,6 +577,8 @@ class TrainerConfig:
         _check(t.save_every >= 0, "trainer.save_every", "must be >= 0")
         _check(t.save_every_minutes >= 0, "trainer.save_every_minutes", "must be >= 0 (0 = off)")
         _check(t.keep_last >= 1, "trainer.keep_last", "must be >= 1")
+        _check(t.push_to_hub is None or re.fullmatch(r"[\w.-]+(/[\w.-]+)?", t.push_to_hub) is not None,
+               "trainer.push_to_hub", f"must be a Hub repo id (namespace/name) or null, got {t.push_to_hub!r}")
 
 
 @dataclass
@@ -731,6 +742,33 @@ def _check_registered(cfg: Config) -> None:
             raise ConfigError(f"{key}: unknown {registry.kind} {value!r}{hint}; registered: {names}")
     _check(a.cov_score != "random_matched" or MODES.get(a.mode).selector is not None, "algo.cov_score",
            f"random_matched is a control of a token selection, and algo.mode={a.mode} selects none (clip_cov, kl_cov)")
+    _check_trackers(cfg.trainer.report_to)
+
+
+# trainer.report_to: accelerate's built-in trackers -> what installs each
+TRACKER_INSTALL = {"tensorboard": "pip install 'fastcov[tensorboard]'", "wandb": "pip install wandb",
+                   "mlflow": "pip install mlflow", "comet_ml": "pip install comet-ml", "aim": "pip install aim",
+                   "clearml": "pip install clearml", "dvclive": "pip install dvclive", "swanlab": "pip install swanlab",
+                   "trackio": "pip install trackio"}
+
+
+def _check_trackers(report_to: str | list[str]) -> None:
+    """Every trainer.report_to name a tracker accelerate knows (its own, or registered by trainer.imports), and
+    installed; after trainer.imports ran."""
+    names = [n for n in ([report_to] if isinstance(report_to, str) else report_to) if n not in ("none", "all")]
+    if not names:
+        return
+    try:
+        from accelerate.tracking import LOGGER_TYPE_TO_CLASS, get_available_trackers
+    except ImportError:
+        raise ConfigError("trainer.report_to: the trackers need accelerate: pip install 'fastcov[train]'") from None
+    installed = {str(t) for t in get_available_trackers()}
+    for name in names:
+        _check(name in LOGGER_TYPE_TO_CLASS, "trainer.report_to",
+               f"unknown tracker {name!r}; accelerate's: {', '.join(TRACKER_INSTALL)}, or one a trainer.imports "
+               "module registers (accelerate.tracking.register_tracker_class)")
+        _check(name not in TRACKER_INSTALL or name in installed, "trainer.report_to",
+               f"{name} is not installed: {TRACKER_INSTALL.get(name)}")
 
 
 # knob -> (the algo field whose value it replaces, the modes it acts in; None: any)
@@ -834,7 +872,7 @@ def _validate_rollout_correction(cfg: Config) -> None:
             raise ConfigError(f"algo.rollout_correction.{key}: {exc}") from None
     _check(rc.off_policy_mask_threshold is None or rc.off_policy_mask_threshold >= 0,
            "algo.rollout_correction.off_policy_mask_threshold", "must be >= 0")
-    if a.mode in SELECTION_FREE_MODES:
+    if a.mode in SELECTION_FREE_MODES and a.mode != "gspo":  # GSPO's loss is PPO's clip (of the sequence ratio)
         _check(a.dual_clip_c is None, "algo.dual_clip_c",
                f"the dual clip bounds PPO's clipped loss for A < 0; algo.mode={a.mode} has no such loss (set null)")
 
@@ -872,6 +910,22 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
+def _model_source_from_overrides(data: dict[str, Any], overrides: list[str]) -> None:
+    """An override ``model.path=...`` replaces the file's model source, in place: its ``model.arch`` goes, and so
+    does its ``model.tokenizer`` (the fresh model's, e.g. builtin:arith) unless an override sets one. Overrides
+    that set both ``model.path`` and ``model.arch`` stay an error."""
+    pairs = [item.split("=", 1) for item in overrides if "=" in item]
+    keys = {k.strip() for k, _ in pairs}
+    model = data.get("model")
+    if not isinstance(model, dict) or model.get("arch") is None or any(
+            k == "model.arch" or k.startswith("model.arch.") for k in keys):
+        return
+    if any(k.strip() == "model.path" and _parse_scalar(v) is not None for k, v in pairs):
+        del model["arch"]
+        if "model.tokenizer" not in keys:
+            model.pop("tokenizer", None)
+
+
 def _map_renamed_keys(data: dict[str, Any]) -> None:
     """algo.pos_weight_<key> -> algo.pos_weight.<key>, in place, with a one-line warning naming the new key;
     the old and the new key both set is an error."""
@@ -892,10 +946,35 @@ def _map_renamed_keys(data: dict[str, Any]) -> None:
         section[new] = algo.pop(old)
 
 
+def _map_tracker_keys(data: dict[str, Any]) -> None:
+    """trainer.tensorboard / trainer.wandb (booleans) -> names in trainer.report_to, trainer.wandb_project ->
+    trainer.project, in place, each with a one-line warning naming the new key."""
+    import warnings
+
+    t = data.get("trainer")
+    if not isinstance(t, dict):
+        return
+    for old in ("tensorboard", "wandb"):
+        if old in t:
+            value = t.pop(old)
+            _check(isinstance(value, bool), f"trainer.{old}", f"expected true/false, got {value!r}")
+            warnings.warn(f"trainer.{old} is deprecated: use trainer.report_to: [{old}]", FutureWarning, stacklevel=3)
+            if value:
+                names = t.get("report_to") or []
+                names = [names] if isinstance(names, str) else list(names)
+                t["report_to"] = names if old in names else names + [old]
+    if "wandb_project" in t:
+        if "project" in t:
+            raise ConfigError("trainer.wandb_project: renamed trainer.project, which is set too; keep only the new key")
+        warnings.warn("trainer.wandb_project is deprecated: use trainer.project", FutureWarning, stacklevel=3)
+        t["project"] = t.pop("wandb_project")
+
+
 def config_from_dict(data: dict[str, Any]) -> Config:
     if not isinstance(data, dict):
         raise ConfigError(f"config: expected a mapping at the top level, got {type(data).__name__}")
     _map_renamed_keys(data)
+    _map_tracker_keys(data)
     return validate(_build(Config, data, ""))
 
 
@@ -903,13 +982,16 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     """Read a YAML file (or start from defaults when ``path`` is None), apply overrides, validate."""
     import yaml
 
+    from fastcov.configs import resolve_config, shipped_names
+
     data: dict[str, Any] = {}
     if path is not None:
-        p = Path(path)
+        p = resolve_config(path)  # a file on disk, else the shipped config of that name
         if p.is_dir():
             raise ConfigError(f"config file {str(p)!r} is a directory; give a YAML file (see configs/)")
         if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist; give a YAML file (see configs/)")
+            raise ConfigError(f"config file {str(p)!r} does not exist; give a YAML file (see configs/) or a shipped "
+                              f"config's name: {', '.join(shipped_names())}")
         try:
             with open(p, encoding="utf-8") as f:
                 data = yaml.safe_load(f)
@@ -926,8 +1008,24 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         if not isinstance(data, dict):
             raise ConfigError(f"config file {str(p)!r}: expected a mapping (key: value) at the top level, "
                               f"got {type(data).__name__}")
+        _check_file_sections(data, Config, "", str(p))
+    _model_source_from_overrides(data, list(overrides or []))
     apply_overrides(data, list(overrides or []))
     return config_from_dict(data)
+
+
+def _check_file_sections(data: dict[str, Any], cls: type, prefix: str, path: str) -> None:
+    """A section of the config file that holds a value instead of keys (``trainer: 5``), named against the file:
+    an override into it (``trainer.run_dir=...``) would otherwise report the file's mistake as its own."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        value, tp = data.get(f.name), hints[f.name]
+        if value is None or not (isinstance(tp, type) and dataclasses.is_dataclass(tp)):
+            continue
+        if not isinstance(value, dict):
+            raise ConfigError(f"config file {path!r}: {prefix}{f.name}: expected a section (key: value lines), "
+                              f"got {value!r}")
+        _check_file_sections(value, tp, f"{prefix}{f.name}.", path)
 
 
 def save_config(cfg: Config, path: str | Path) -> None:

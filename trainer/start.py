@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import random
 import signal
 import sys
@@ -31,9 +32,12 @@ from fastcov.trainer.evaluation import evaluate
 from fastcov.trainer.rewards import REWARD_TASKS, RewardTask
 from fastcov.trainer.rollout import make_rollout_engine
 from fastcov.trainer.rollout.base import RolloutEngine
+from fastcov.trainer.rollout.vllm_api import check_vllm_version
 from fastcov.trainer.runtime.checkpoint import CheckpointError, fsync_path, load_checkpoint
+from fastcov.trainer.runtime.dependencies import check_optional_packages
 from fastcov.trainer.runtime.distributed import init_distributed, pick_device
 from fastcov.trainer.runtime.errors import user_error
+from fastcov.trainer.runtime.gguf import convert_for_run
 from fastcov.trainer.runtime.lora import count_parameters
 from fastcov.trainer.runtime.model import PolicyModel, build_model, check_model_source, load_tokenizer, use_liger
 from fastcov.trainer.runtime.policy import DeepSpeedPolicy, ds_config
@@ -49,6 +53,8 @@ from fastcov.trainer.runtime.run_dir import (
 )
 from fastcov.trainer.runtime.run_log import open_run_files
 from fastcov.trainer.token_level.advantages import make_token_advantages
+
+logger = logging.getLogger(__name__)
 
 
 def seed_everything(seed: int) -> None:
@@ -69,8 +75,8 @@ class StopFlag:
             if self.set:
                 raise KeyboardInterrupt
             self.set = True
-            print("\n[fastcov] Ctrl-C: finishing this step, saving a checkpoint, exiting "
-                  "(press again to abort without saving)", flush=True)
+            logger.info("\nCtrl-C: finishing this step, saving a checkpoint, exiting "
+                        "(press again to abort without saving)")
 
         try:
             self._old = signal.signal(signal.SIGINT, handler)
@@ -153,7 +159,7 @@ class Run:
 def start_run(cfg: Config, resume, overwrite: bool, closing: contextlib.ExitStack) -> Run:
     """Checks, data, policy, rollout engine, rewards, RNG, a resumed state, the metrics log, a progress bar."""
     t, a = cfg.trainer, cfg.algo
-    device, rank, world, resume_path, tokenizer, train_set, val_set, data_stats = _check_and_prepare(
+    device, rank, world, resume_path, tokenizer, train_set, val_set, data_stats, lock = _check_and_prepare(
         cfg, resume, overwrite, closing)
     engine, token_adv = build_policy(cfg, device, rank, world, tokenizer)
     rollout, reward_fn = build_rollout(cfg, engine, device, rank, world, tokenizer, closing)
@@ -170,9 +176,9 @@ def start_run(cfg: Config, resume, overwrite: bool, closing: contextlib.ExitStac
     if rank == 0:
         run.logger = open_run_files(run.run_dir, cfg.to_dict(), t, run.step if resume_path is not None else None,
                                     closing)
-        print(f"[fastcov] run {run.run_dir}: {len(train_set)} train / {len(val_set)} val prompts "
-              f"({json.dumps(data_stats)}), world {world}, device {device}, zero {t.zero_stage}, "
-              f"mode {a.mode}", flush=True)
+        logger.info(f"run {run.run_dir}: {len(train_set)} train / {len(val_set)} val prompts "
+                    f"({json.dumps(data_stats)}), world {world}, device {device}, zero {t.zero_stage}, "
+                    f"mode {a.mode}")
         if t.progress:
             from tqdm.auto import tqdm
 
@@ -180,6 +186,8 @@ def start_run(cfg: Config, resume, overwrite: bool, closing: contextlib.ExitStac
             run.pbar = tqdm(total=t.max_steps, initial=run.step, desc=f"train {a.mode}", dynamic_ncols=True,
                             mininterval=0.1 if sys.stderr.isatty() else 30.0)
             closing.callback(run.pbar.close)
+    if lock is not None:
+        lock.started = True  # from here a failure keeps what the run made (checkpoints, metrics, data/)
     return run
 
 
@@ -187,14 +195,17 @@ def start_run(cfg: Config, resume, overwrite: bool, closing: contextlib.ExitStac
 def _check_and_prepare(cfg: Config, resume, overwrite: bool, closing: contextlib.ExitStack):
     """Setup up to the first write. Everything a user can get wrong is checked before it: nothing on disk
     changes when a run stops with a user error (bad run dir, --resume target, model path, data file).
-    Returns (device, rank, world, resume_path, tokenizer, train_set, val_set, data_stats)."""
+    Returns (device, rank, world, resume_path, tokenizer, train_set, val_set, data_stats, the run dir's lock on
+    rank 0 or None): until the run marks the lock started, a failure abandons the directory (RunDirLock.close)."""
     t = cfg.trainer
     try:
         device = pick_device(t.device)
     except ValueError as exc:
         raise user_error(exc) from None
     if device.type == "cpu" and t.threads:
-        torch.set_num_threads(t.threads)  # results must not depend on the machine's core count
+        # results must not depend on the machine's core count; a run in a caller's process gives its count back
+        closing.callback(torch.set_num_threads, torch.get_num_threads())
+        torch.set_num_threads(t.threads)
     rank, world = init_distributed(device, t.collective_timeout_s)
     if t.prompts_per_step % world:
         raise ConfigError(f"trainer.prompts_per_step: {t.prompts_per_step} is not divisible by the "
@@ -208,8 +219,8 @@ def _check_and_prepare(cfg: Config, resume, overwrite: bool, closing: contextlib
             lock.abandon()  # a user error leaves the disk as it was
         raise
     if lock is not None:
-        closing.callback(lock.release)
-    return setup
+        closing.push(lock.close)
+    return (*setup, lock)
 
 
 def _checked_setup(cfg: Config, resume, overwrite: bool, device, rank: int, world: int, lock):
@@ -217,6 +228,7 @@ def _checked_setup(cfg: Config, resume, overwrite: bool, device, rank: int, worl
     run_dir = Path(t.run_dir)
     resume_path = check_run_dir(run_dir, resume, overwrite, rank)
     check_model_source(cfg.model)
+    check_optional_packages(cfg, {"vllm": check_vllm_version})
     try:
         use_liger(cfg.model.liger, device)
     except ValueError as exc:
@@ -236,6 +248,7 @@ def _checked_setup(cfg: Config, resume, overwrite: bool, device, rank: int, worl
         except OSError as exc:
             raise io_error(run_dir, exc) from None
     dist.barrier()
+    convert_for_run(cfg.model, run_dir, param_dtype(cfg.model, device), rank)  # a .gguf model.path, once per run
     if cfg.data.synthetic.enabled:
         train_files, val_files = prepare_data(cfg, tokenizer, run_dir, rank)
         dist.barrier()
@@ -260,8 +273,7 @@ def build_policy(cfg: Config, device: torch.device, rank: int, world: int, token
     if engine.frozen_base and rank == 0:
         trainable, total = count_parameters(lm)
         base = " on a 4-bit base" if cfg.model.quantization == "4bit" else ""
-        print(f"[fastcov] LoRA rank {cfg.model.lora_rank}{base}: {trainable:,} of {total:,} parameters train",
-              flush=True)
+        logger.info(f"LoRA rank {cfg.model.lora_rank}{base}: {trainable:,} of {total:,} parameters train")
     return engine, token_adv
 
 
@@ -296,9 +308,9 @@ def _resume(run: Run, path: Path) -> None:
         except (OSError, RuntimeError, KeyError, ValueError) as exc:
             raise CheckpointError(f"--resume: PRIME's reward model: {one_line(exc)}") from None
     if run.rank == 0:
-        print(f"[fastcov] resumed from {path} at step {run.step}", flush=True)
+        logger.info(f"resumed from {path} at step {run.step}")
         trimmed = trim_metrics(metrics_path(run.run_dir), run.step)
         if trimmed["dropped"] or trimmed["torn"]:
-            print(f"[fastcov] metrics.jsonl: dropped {trimmed['dropped']} row(s) after step {run.step}"
-                  f"{' and a torn last line' if trimmed['torn'] else ''}", flush=True)
+            logger.info(f"metrics.jsonl: dropped {trimmed['dropped']} row(s) after step {run.step}"
+                        f"{' and a torn last line' if trimmed['torn'] else ''}")
 

@@ -22,6 +22,7 @@ are never built.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import time
 import warnings
@@ -42,6 +43,7 @@ from fastcov.trainer.runtime.batch import MicroBatch, Sequence, micro_batches, s
 from fastcov.trainer.runtime.checkpoint import publish_checkpoint, write_checkpoint
 from fastcov.trainer.runtime.distributed import all_gather_floats, all_max, all_sum, world_size
 from fastcov.trainer.runtime.errors import RolloutError, last_intact, lost_rank_exit, run_io
+from fastcov.trainer.runtime.hub import push_to_hub
 from fastcov.trainer.runtime.model import export_final
 from fastcov.trainer.runtime.offload import activation_offload
 from fastcov.trainer.runtime.policy import lr_at
@@ -53,6 +55,8 @@ from fastcov.trainer.token_level.advantages import (
     optimal_token_baseline_advantages,
     prime_keep,
 )
+
+logger = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------------------------------- steps 1-3
 
@@ -461,7 +465,7 @@ def _train(cfg: Config, resume, stop_at, on_end, closing: contextlib.ExitStack, 
             end_step(run, rec, col, tokens, t_step, stop_now)  # 8-9. evaluation, checkpoint, log
             if stop_now:
                 if run.rank == 0:
-                    print(f"[fastcov] stopped at step {run.step}; checkpoint saved", flush=True)
+                    logger.info(f"stopped at step {run.step}; checkpoint saved")
                 break
     if run.pbar is not None:
         run.pbar.close()  # before on_end and the export print; closing again is a no-op
@@ -473,4 +477,6 @@ def _train(cfg: Config, resume, stop_at, on_end, closing: contextlib.ExitStack, 
                 if run.rank == 0:
                     export_final(model, run.tokenizer, run.run_dir)
             dist.barrier()
+        if t.push_to_hub and run.rank == 0:  # after the barrier: the other ranks wait for no upload
+            logger.info(f"pushed final/ to {t.push_to_hub}: {push_to_hub(run.run_dir, t.push_to_hub)}")
     return run.run_dir

@@ -134,6 +134,7 @@ class FastcovCausalLMOutput(ModelOutput):
     cache: object | None = None
     hidden_states: tuple | None = None
     attentions: tuple | None = None
+    aux_loss: torch.Tensor | None = None  # an MoE model's load-balancing loss (fastcov.integrations.trl)
 
 
 def _refuse(model, what: str) -> NoReturn:

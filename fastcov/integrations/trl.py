@@ -2,7 +2,7 @@
 
     pip install 'fastcov[trl]'                  # trl>=1.16,<2 (checked at import, in one line)
     from fastcov.integrations.trl import FastcovGRPOConfig, FastcovGRPOTrainer
-    args = FastcovGRPOConfig(output_dir="out", fastcov_loss_mode="kl_cov", kl_cov_ratio=2e-3)
+    args = FastcovGRPOConfig(output_dir="out", fastcov_loss_mode="kl_cov", kl_cov_ratio=2e-3, steps_per_generation=8)
     trainer = FastcovGRPOTrainer(model=model, reward_funcs=reward_fn, args=args, train_dataset=ds)
     trainer.train()     # logs fastcov/selected_frac, fastcov/cov_mean, fastcov/clipfrac, fastcov/ppo_kl, ...
 
@@ -15,17 +15,24 @@ target-entropy controller, ``_save_checkpoint`` / ``_load_optimizer_and_schedule
   The decoder runs inside the model's forward (a ``fastcov_logits_to_keep=`` keyword this module adds to
   the policy's and reference model's forward), so DDP / accelerate wrappers see a normal forward.
 * ``_compute_loss``: ``fastcov.policy_loss`` with the configured mode; TRL's KL-to-reference term when
-  ``beta != 0``; TRL's entropy bonus and adaptive entropy control (below); fastcov's metrics go to TRL's
-  ``_metrics`` under ``fastcov/<name>``.
+  ``beta != 0``; TRL's entropy bonus and adaptive entropy control (below); an MoE model's load-balancing loss;
+  fastcov's metrics go to TRL's ``_metrics`` under ``fastcov/<name>``.
 * ``_generate_and_score_completions`` (``fastcov_scope="global"`` only): computes the Clip-Cov / KL-Cov
   selection once per rollout batch over every data-parallel rank (``fastcov.compute_global_selection``)
   and hands each micro-batch its rows.
 
 Mapping of TRL's options (``FastcovGRPOConfig``)::
 
-    epsilon, epsilon_high  -> LossConfig.clip_low, clip_high      (PPO clip of vanilla and clip_cov; kl_cov has none)
-    delta                  -> LossConfig.dual_clip_c              (must be > 1 + epsilon_high; not with kl_cov)
-    top_entropy_quantile   -> LossConfig.high_entropy_fraction    (in (0, 1]; 1 = all tokens)
+    fastcov_loss_mode "auto" (default) -> "clip_cov" where the loss is PPO's token clip (loss_type dapo, bnpo, grpo,
+                              dr_grpo, luspo at token level: it acts on-policy too), else "kl_cov" (its penalty acts
+                              from a rollout batch's second optimizer step on; warned where there is none)
+    epsilon, epsilon_high  -> LossConfig.clip_low, clip_high      (PPO clip of vanilla, clip_cov and gspo)
+    delta                  -> LossConfig.dual_clip_c              (> 1 + epsilon_high; token level and GSPO; not with
+                              kl_cov at token level, which has no clip)
+    top_entropy_quantile   -> TRL's own entropy mask (get_high_entropy_mask), a per-token loss weight (a row's mean
+                              with GSPO / sapo_seq); fastcov_scope "global": LossConfig.high_entropy_fraction
+    router_aux_loss_coef   -> TRL's: an MoE model's load-balancing loss (TRL's default None: the model's coefficient),
+                              from the fused forward's router logits (``router_aux_loss_function``), / GA steps
     loss_type "dapo"       -> agg "token-mean", denominator = TRL's (active tokens of the accumulated batch)
               "bnpo"       -> agg "token-mean" over the micro-batch, / gradient_accumulation_steps
               "grpo"       -> agg "seq-mean-token-mean" over the micro-batch's B rows, / gradient_accumulation_steps
@@ -41,6 +48,8 @@ Mapping of TRL's options (``FastcovGRPOConfig``)::
     beta                   -> TRL's k3 KL to the reference model, aggregated like the policy loss; with
                               use_bias_correction_kl (TRL's default) × the ratio to the old policy (GSPO's sequence
                               ratio at sequence level)
+    fastcov_loss_mode "kl_cov" with cispo, sapo, vespo or sequence level -> that mode's loss plus mode "kl_cov_penalty"
+                              (β·|log π − log π_old| on KL-Cov's tokens, each token's own weight, the same aggregation)
 
 Rollout correction (TRL's options, TRL's behaviour; ``fastcov.correction``), as per-token weights of the policy loss::
 
@@ -68,17 +77,16 @@ Entropy bonus and adaptive entropy (TRL's options, TRL's behaviour; ``fastcov.en
                                  (target, knob: kl_cov_coef | kl_cov_ratio | clip_cov_ratio | entropy_coef, rule,
                                  init, delta, gain, min, max, gate, inclusive), measured as use_adaptive_entropy is
 
-With ``top_entropy_quantile`` < 1 the bonus and the measurement cover the tokens fastcov's loss trains on (its
-high-entropy selection; TRL picks its own quantile over all processes). The controller's state is saved with each
+With ``top_entropy_quantile`` < 1 the bonus and the measurement cover the tokens the high-entropy mask keeps (TRL's
+own mask; the rollout-wide selection with ``fastcov_scope="global"``). The controller's state is saved with each
 checkpoint (``fastcov_entropy_control.json``) and restored on resume; ``entropy_coef`` (the coefficient) or
 ``fastcov/entropy_control/value`` (another knob) is logged at every optimizer step.
 
 Refused (ValueError naming the option): cispo, sapo, vespo or importance_sampling_level "sequence" with
-fastcov_loss_mode clip_cov / kl_cov (those select tokens inside PPO's token clip; use "vanilla") or fastcov_scope
-"global" (nothing to select); top_entropy_quantile < 1 with GSPO / sequence-level sapo (a token mask of a ratio whose
-gradient runs through its whole row) and delta with GSPO (no dual clip); vespo with a sequence_* vLLM mode (TRL
-refuses it too); MoE router aux loss, multimodal inputs, FSDP (the fused kernel reads ``lm_head.weight`` whole in
-its backward).
+fastcov_loss_mode "clip_cov" (it selects tokens inside PPO's token clip; "kl_cov" adds its penalty instead), or with
+"vanilla" and fastcov_scope "global" (nothing to select); vespo with a sequence_* vLLM mode (TRL refuses it too);
+multimodal inputs, an MoE model whose aux loss is not transformers' load_balancing_loss_func, FSDP (the fused kernel
+reads ``lm_head.weight`` whole in its backward).
 
 LoRA: pass ``peft_config=peft.LoraConfig(...)`` as to ``GRPOTrainer``. TRL wraps the policy in a PeftModel; the
 fused head runs on its base model's decoder (adapters active), only the adapters train, and with ``beta > 0`` the
@@ -105,6 +113,7 @@ import functools
 import json
 import math
 import os
+import sys
 import warnings
 from dataclasses import dataclass, field
 
@@ -114,7 +123,6 @@ from fastcov.correction import off_policy_sequence_mask, rollout_correction
 from fastcov.entropy_control import EntropyController
 from fastcov.integrations._require import require
 from fastcov.losses import LossConfig, Selection, aggregate_loss, compute_global_selection, policy_loss
-from fastcov.selection import select_top_covariance
 
 require("trl", "trl", "'fastcov[trl]'", minimum="1.16", below="2")  # FastcovGRPOConfig reads 1.16's options
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
@@ -125,7 +133,7 @@ from fastcov.integrations.transformers import (  # noqa: E402
     fused_logprob_entropy,
 )
 
-MODES = ("vanilla", "clip_cov", "kl_cov")
+MODES = ("auto", "vanilla", "clip_cov", "kl_cov")
 SCOPES = ("microbatch", "global")
 LOSS_TYPE_AGG = {
     "dapo": "token-mean",
@@ -146,7 +154,8 @@ _ROW_MEAN_WEIGHT_MODES = ("gspo", "sapo_seq")
 # loss types whose token normalizer is TRL's num_items_in_batch (the accumulated batch's active tokens)
 _GLOBAL_TOKEN_TYPES = ("dapo", "cispo", "vespo")
 _IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-_NO_UPPER = 1e300  # TRL's clip_max=None: no upper bound (fastcov's weights are bounded by exp(20) anyway)
+# loss types whose loss is PPO's token clip at importance_sampling_level="token" (what Clip-Cov selects inside)
+_TOKEN_CLIP_TYPES = ("dapo", "bnpo", "grpo", "dr_grpo", "luspo")
 _DEFAULTS = LossConfig()
 _SELECTION_KEYS = ("fastcov_cov_selection", "fastcov_high_entropy_selection")
 _CONTROL_FILE = "fastcov_entropy_control.json"
@@ -156,7 +165,10 @@ _CONTROL_FILE = "fastcov_entropy_control.json"
 class FastcovGRPOConfig(GRPOConfig):
     """``trl.GRPOConfig`` plus fastcov's loss options (see the module docstring for the mapping).
 
-    fastcov_loss_mode: "vanilla" | "clip_cov" | "kl_cov".
+    fastcov_loss_mode: "auto" (default) | "vanilla" | "clip_cov" | "kl_cov". "auto" is "clip_cov" where TRL's loss is
+        PPO's token clip (loss_type dapo, bnpo, grpo, dr_grpo, luspo at importance_sampling_level="token"): it acts
+        from the first step, on-policy too; elsewhere (cispo, sapo, vespo, sequence level) "kl_cov", whose penalty
+        acts from the second optimizer step of a rollout batch on.
     clip_cov_ratio, clip_cov_lb, clip_cov_ub: Clip-Cov fraction of valid tokens and open covariance band.
     kl_cov_ratio, kl_cov_coef: KL-Cov fraction of valid tokens and β.
     fastcov_scope: "microbatch" | "global".
@@ -164,7 +176,7 @@ class FastcovGRPOConfig(GRPOConfig):
         not with use_adaptive_entropy (which is the same controller on entropy_coef with TRL's options).
     """
 
-    fastcov_loss_mode: str = field(default="kl_cov", metadata={"help": "vanilla | clip_cov | kl_cov"})
+    fastcov_loss_mode: str = field(default="auto", metadata={"help": "auto | vanilla | clip_cov | kl_cov"})
     clip_cov_ratio: float = field(default=_DEFAULTS.clip_cov_ratio, metadata={"help": "Clip-Cov token fraction"})
     clip_cov_lb: float = field(default=_DEFAULTS.clip_cov_lb, metadata={"help": "Clip-Cov band, lower bound"})
     clip_cov_ub: float = field(default=_DEFAULTS.clip_cov_ub, metadata={"help": "Clip-Cov band, upper bound"})
@@ -184,24 +196,18 @@ class FastcovGRPOConfig(GRPOConfig):
         if self.loss_type not in LOSS_TYPE_AGG:
             raise ValueError(f"loss_type={self.loss_type!r} is not supported by FastcovGRPOConfig; use one of "
                              f"{tuple(LOSS_TYPE_AGG)}")
-        sequence = self.importance_sampling_level == "sequence"
         if self.importance_sampling_level not in ("token", "sequence"):
             raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got "
                              f"{self.importance_sampling_level!r}")
-        if self.fastcov_mode() in _ROW_MEAN_WEIGHT_MODES and self.top_entropy_quantile != 1.0:
-            raise ValueError(f"top_entropy_quantile < 1 is not supported with importance_sampling_level='sequence' and "
-                             f"loss_type={self.loss_type!r}: TRL masks tokens of a sequence ratio whose gradient runs "
-                             "through all of the row's tokens, which fastcov's token form does not reproduce")
-        if sequence and self.delta is not None and self.loss_type not in LOSS_TYPE_MODE:
-            raise ValueError("delta is not supported with importance_sampling_level='sequence' (fastcov's GSPO has "
-                             "no dual clip)")
-        if (sequence or self.loss_type in LOSS_TYPE_MODE) and self.fastcov_loss_mode != "vanilla":
-            raise ValueError(f"fastcov_loss_mode must be 'vanilla' with loss_type={self.loss_type!r}, "
-                             f"importance_sampling_level={self.importance_sampling_level!r}: Clip-Cov / KL-Cov select "
-                             "tokens inside PPO's token clip, which CISPO / SAPO / GSPO replace")
-        if self.fastcov_mode() != self.fastcov_loss_mode and self.fastcov_scope != "microbatch":
-            raise ValueError(f"fastcov_scope must be 'microbatch' with the {self.fastcov_mode()} loss (it selects no "
-                             "tokens)")
+        cov_mode = self.fastcov_cov_mode()
+        if not self._token_clip() and cov_mode == "clip_cov":
+            raise ValueError(f"fastcov_loss_mode='clip_cov' is not supported with loss_type={self.loss_type!r}, "
+                             f"importance_sampling_level={self.importance_sampling_level!r}: Clip-Cov selects tokens "
+                             "inside PPO's token clip, which CISPO / SAPO / VESPO / GSPO replace; use 'kl_cov' (its "
+                             "penalty adds to any loss) or 'vanilla'")
+        if cov_mode == "vanilla" and self.fastcov_mode() != "vanilla" and self.fastcov_scope != "microbatch":
+            raise ValueError(f"fastcov_scope must be 'microbatch' with the {self.fastcov_mode()} loss and "
+                             "fastcov_loss_mode='vanilla' (nothing is selected)")
         if self.use_vllm and self.vllm_importance_sampling_correction:
             _check_vespo_is_mode(self.loss_type, self.vllm_importance_sampling_mode)
             if self.vllm_importance_sampling_mode not in _IS_MODES:
@@ -224,8 +230,10 @@ class FastcovGRPOConfig(GRPOConfig):
                                       or not math.isfinite(value) or value < 0):
                 raise ValueError(f"{name} must be a finite number ≥ 0, got {value!r}")
         if self.delta is not None and self.loss_type not in LOSS_TYPE_MODE:  # TRL ignores delta for cispo / sapo
-            if self.fastcov_loss_mode == "kl_cov":
-                raise ValueError("delta is not supported with fastcov_loss_mode='kl_cov' (KL-Cov has no PPO clip)")
+            if self.fastcov_mode() == "kl_cov":
+                raise ValueError("delta is not supported with fastcov_loss_mode='kl_cov' and a token-level PPO "
+                                 f"loss_type ({self.loss_type!r}): KL-Cov replaces PPO's clip, so there is no clipped "
+                                 "loss for the dual clip to bound")
             if not self.delta > 1.0 + self._clip_high():
                 raise ValueError(f"delta must be > 1 + epsilon_high = {1.0 + self._clip_high()}, got {self.delta}")
         if not 0.0 < self.top_entropy_quantile <= 1.0:
@@ -241,10 +249,11 @@ class FastcovGRPOConfig(GRPOConfig):
             )
         self.fastcov_loss_config()  # LossConfig validates the ratios, the band and β, naming them
         self.fastcov_entropy_controller()  # the controller validates its options, naming them
-        if (self.fastcov_loss_mode == "kl_cov" and self.num_iterations == 1
+        if (cov_mode == "kl_cov" and self.num_iterations == 1
                 and self.steps_per_generation == self.gradient_accumulation_steps):
+            chosen = "" if self.fastcov_loss_mode == "kl_cov" else f" ('auto' with loss_type={self.loss_type!r})"
             warnings.warn(
-                "fastcov_loss_mode='kl_cov' with num_iterations=1 and steps_per_generation == "
+                f"fastcov_loss_mode='kl_cov'{chosen} with num_iterations=1 and steps_per_generation == "
                 "gradient_accumulation_steps: each rollout batch is one optimizer step from the rollout policy, so "
                 "KL-Cov's penalty beta*|log ratio| is 0 (no-op); raise num_iterations or steps_per_generation",
                 stacklevel=2)
@@ -281,9 +290,9 @@ class FastcovGRPOConfig(GRPOConfig):
         if knob == "pos_weight":
             raise ValueError("fastcov_entropy_control: knob pos_weight is not available in TRL (no λ re-weighting)")
         wanted = {"kl_cov_coef": "kl_cov", "kl_cov_ratio": "kl_cov", "clip_cov_ratio": "clip_cov"}.get(knob)
-        if wanted is not None and self.fastcov_loss_mode != wanted:
+        if wanted is not None and self.fastcov_cov_mode() != wanted:
             raise ValueError(f"fastcov_entropy_control: knob {knob} acts only with fastcov_loss_mode={wanted!r}, "
-                             f"not {self.fastcov_loss_mode!r}")
+                             f"not {self.fastcov_loss_mode!r} ({self.fastcov_cov_mode()!r})")
         try:
             return EntropyController.from_config(spec, init=getattr(self, knob, None))
         except ValueError as exc:
@@ -292,14 +301,31 @@ class FastcovGRPOConfig(GRPOConfig):
     def _clip_high(self) -> float:
         return float(self.epsilon if self.epsilon_high is None else self.epsilon_high)
 
+    def _token_clip(self) -> bool:
+        """TRL's loss is PPO's token clip (what Clip-Cov selects inside and KL-Cov replaces)."""
+        return self.loss_type in _TOKEN_CLIP_TYPES and self.importance_sampling_level == "token"
+
+    def fastcov_cov_mode(self) -> str:
+        """``fastcov_loss_mode`` with "auto" resolved: "clip_cov" where TRL's loss is PPO's token clip, else
+        "kl_cov"; "vanilla" | "clip_cov" | "kl_cov"."""
+        if self.fastcov_loss_mode != "auto":
+            return self.fastcov_loss_mode
+        return "clip_cov" if self._token_clip() else "kl_cov"
+
     def fastcov_mode(self) -> str:
         """The fastcov loss mode TRL's options pick: "cispo" / "sapo" / "vespo" (loss_type; "cispo_seq" / "sapo_seq"
         at importance_sampling_level="sequence"), "gspo" (importance_sampling_level="sequence"), else
-        ``fastcov_loss_mode``."""
+        ``fastcov_cov_mode()``. With KL-Cov and one of the others, KL-Cov's penalty is added to it
+        (``fastcov_kl_cov_penalty``)."""
         if self.loss_type in LOSS_TYPE_MODE:
             table = _SEQUENCE_MODE if self.importance_sampling_level == "sequence" else LOSS_TYPE_MODE
             return table[self.loss_type]
-        return "gspo" if self.importance_sampling_level == "sequence" else self.fastcov_loss_mode
+        return "gspo" if self.importance_sampling_level == "sequence" else self.fastcov_cov_mode()
+
+    def fastcov_kl_cov_penalty(self) -> bool:
+        """KL-Cov on a loss of TRL's that is not PPO's token clip (cispo, sapo, vespo, sequence level): that loss plus
+        KL-Cov's penalty β·|log π − log π_old| on the tokens KL-Cov selects (mode "kl_cov_penalty")."""
+        return self.fastcov_cov_mode() == "kl_cov" and self.fastcov_mode() != "kl_cov"
 
     def fastcov_loss_config(self) -> LossConfig:
         """The ``fastcov.LossConfig`` these arguments describe."""
@@ -367,16 +393,41 @@ def add_fastcov_head(model, temperature: float = 1.0, impl: str = "auto", zero3:
         dropped = ("labels", "return_dict", "output_hidden_states", "output_attentions", "num_items_in_batch")
         kwargs = {k: v for k, v in kwargs.items() if v is not None and k not in dropped}
         kwargs["use_cache"] = False
-        hidden = decoder(**kwargs).last_hidden_state[:, -keep - 1:]
+        decoded = decoder(**kwargs)
+        aux_loss = None
+        if kwargs.get("output_router_logits"):  # an MoE model's load-balancing loss over every position, as its own
+            aux_loss = router_aux_loss_function(base)(decoded.router_logits, attention_mask)
+        hidden = decoded.last_hidden_state[:, -keep - 1:]
         labels = input_ids[:, -keep - 1:].masked_fill(attention_mask[:, -keep - 1:] == 0, -100)
         with torch.autocast(hidden.device.type, enabled=False):
             stats = fused_logprob_entropy(base, hidden.to(head.weight.dtype), labels, temperature=temperature,
                                           impl=impl)
         assert stats.entropy is not None  # computed unless entropy=False
-        return FastcovCausalLMOutput(logprob=stats.logprob[:, 1:], entropy=stats.entropy[:, 1:])
+        return FastcovCausalLMOutput(logprob=stats.logprob[:, 1:], entropy=stats.entropy[:, 1:], aux_loss=aux_loss)
 
     base.forward = forward
     return model
+
+
+def router_aux_loss_function(model):
+    """``f(router_logits, attention_mask) -> aux_loss``: the load-balancing loss ``model`` (an MoE causal LM, unwrapped)
+    adds to its own output, from its decoder's router logits: its modeling module's ``load_balancing_loss_func`` with
+    its ``num_experts`` and ``num_experts_per_tok``, as transformers' MoE causal LMs compute ``aux_loss``.
+
+    Raises:
+        ValueError: naming router_aux_loss_coef, for a model whose aux loss is computed otherwise.
+    """
+    loss_func = getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func", None)
+    experts, top_k = getattr(model, "num_experts", None), getattr(model, "num_experts_per_tok", None)
+    if loss_func is None or not isinstance(experts, int) or not isinstance(top_k, int):
+        raise ValueError(f"router_aux_loss_coef: {type(model).__name__} does not compute its MoE load-balancing loss "
+                         "as load_balancing_loss_func(router_logits, num_experts, num_experts_per_tok, "
+                         "attention_mask), which the fused head reproduces; set router_aux_loss_coef=0")
+    return functools.partial(_aux_loss, loss_func, experts, top_k)
+
+
+def _aux_loss(loss_func, experts, top_k, router_logits, attention_mask):
+    return loss_func(router_logits, experts, top_k, attention_mask)
 
 
 class FastcovGRPOTrainer(GRPOTrainer):
@@ -389,15 +440,17 @@ class FastcovGRPOTrainer(GRPOTrainer):
         super().__init__(model, reward_funcs, args, *rest, **kwargs)
         if self.is_fsdp_enabled:
             raise ValueError("FSDP is not supported by FastcovGRPOTrainer (use DDP or DeepSpeed ZeRO-1/2/3)")
-        if self.aux_loss_enabled:
-            raise ValueError("router_aux_loss_coef: the MoE load-balancing loss is not supported; set it to 0")
         self._fastcov_config = self.args.fastcov_loss_config()
         self._fastcov_mode = self.args.fastcov_mode()
+        self._fastcov_penalty = self.args.fastcov_kl_cov_penalty()
         self._fastcov_ctl = self.args.fastcov_entropy_controller()
         self._fastcov_window = None  # [Σ H, tokens] of the current accumulation window (the controller's measurement)
         plugin = self.accelerator.state.deepspeed_plugin if self.is_deepspeed_enabled else None
         zero3 = plugin is not None and plugin.zero_stage == 3
         add_fastcov_head(self.model, self.temperature, zero3=zero3)
+        if self.aux_loss_enabled:  # the MoE load-balancing loss: refuse a model whose loss the head cannot give now
+            model = self.model
+            router_aux_loss_function(model.get_base_model() if hasattr(model, "get_base_model") else model)
         if self.ref_model is not None:
             add_fastcov_head(self.accelerator.unwrap_model(self.ref_model), self.temperature, zero3=zero3)
 
@@ -406,22 +459,24 @@ class FastcovGRPOTrainer(GRPOTrainer):
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False, **multimodal):
         """input_ids, attention_mask: [B, P + C]; logits_to_keep = C. Returns (logps [B, C], entropies [B, C] or
-        None, None), fp32, zero where attention_mask is 0, computed in chunks of ``batch_size`` rows."""
+        None, the MoE load-balancing loss or None), fp32, zero where attention_mask is 0, computed in chunks of
+        ``batch_size`` rows (the aux loss is the chunks' mean, as TRL's)."""
         given = sorted(name for name, value in multimodal.items() if value is not None)
         if given:
             raise ValueError(f"FastcovGRPOTrainer supports text-only causal LMs; got multimodal inputs {given}")
-        if compute_aux_loss:
-            raise ValueError("router_aux_loss_coef: the MoE load-balancing loss is not supported; set it to 0")
         batch_size = batch_size or input_ids.size(0)
-        logps, entropies = [], []
+        logps, entropies, aux = [], [], []
+        extra = {"output_router_logits": True} if compute_aux_loss else {}
         for start in range(0, input_ids.size(0), batch_size):
             rows = slice(start, start + batch_size)
             with self.accelerator.autocast():
                 out = model(input_ids=input_ids[rows], attention_mask=attention_mask[rows],
-                            fastcov_logits_to_keep=logits_to_keep)
+                            fastcov_logits_to_keep=logits_to_keep, **extra)
             logps.append(out.logprob)
             entropies.append(out.entropy)
-        return torch.cat(logps), torch.cat(entropies) if compute_entropy else None, None
+            aux.append(out.aux_loss)
+        aux_loss = torch.stack(aux).mean() if compute_aux_loss else None
+        return torch.cat(logps), torch.cat(entropies) if compute_entropy else None, aux_loss
 
     # ------------------------------------------------------------------ hook 2: the rollout-wide selection
 
@@ -458,7 +513,7 @@ class FastcovGRPOTrainer(GRPOTrainer):
             logprob = logps if logprob is None else logprob
         advantages = _per_token(output["advantages"], logprob)
         return compute_global_selection(
-            logprob, logprob, advantages, mask, mode=self.args.fastcov_loss_mode, config=self._fastcov_config,
+            logprob, logprob, advantages, mask, mode=self.args.fastcov_cov_mode(), config=self._fastcov_config,
             entropy=entropy, group=self._fastcov_group(),
         )
 
@@ -467,16 +522,20 @@ class FastcovGRPOTrainer(GRPOTrainer):
     def _compute_loss(self, model, inputs):
         """fastcov.policy_loss on one micro-batch (+ β·KL to the reference when beta ≠ 0), scaled like TRL's."""
         prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
-        logps, entropies, _ = self._get_per_token_logps_and_entropies(
+        logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
             model, torch.cat([prompt_ids, completion_ids], dim=1),
             torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1), completion_ids.size(1),
-            compute_entropy=True,
+            compute_entropy=True, compute_aux_loss=self.aux_loss_enabled,
         )
         mask = _loss_mask(inputs)
         old = inputs.get("old_per_token_logps")
         old = logps.detach() if old is None else old
         advantages = _per_token(inputs["advantages"], logps)
         loss_mode = self._fastcov_mode
+        scope = self.args.fastcov_scope
+        selection = None
+        if scope == "global":
+            selection = Selection(inputs.get(_SELECTION_KEYS[0]), inputs.get(_SELECTION_KEYS[1]))
         weights, extra_metrics = self._fastcov_rollout_weights(inputs, logps, old, mask)
         mode_old = old  # the policy loss's old log-probs (VESPO's fold the sampler ratio in; the KL's do not)
         if isinstance(weights, tuple):
@@ -486,6 +545,11 @@ class FastcovGRPOTrainer(GRPOTrainer):
             # (in float64: π_old's log-probs are ~log 1/V, and an fp32 sum would round the ratios' logs away)
             log_is = torch.where(mask != 0, is_weights.clamp(min=1e-8).log().clamp(max=20.0), 0.0)
             mode_old = old.double() - log_is.double()
+        high = self._fastcov_high_entropy(entropies, mask, selection)
+        if high is not None:  # TRL's entropy mask multiplies the per-token loss, as a weight here
+            extra_metrics["high_entropy_frac"] = _masked_mean(high.to(logps.dtype), mask)
+            weights = high.to(logps.dtype) if weights is None else weights * high
+        token_weights = weights  # each token's own weight: KL-Cov's penalty takes these
         if weights is not None and loss_mode in _ROW_MEAN_WEIGHT_MODES:
             # TRL's sequence ratio takes its gradient through the row's mean log-ratio, so a per-token weight acts
             # as the row's mean weight (same loss, same gradient); fastcov's GSPO / sapo_seq are the per-token form
@@ -506,18 +570,20 @@ class FastcovGRPOTrainer(GRPOTrainer):
             global_tokens = mask.sum()
         else:  # grpo, sapo, dr_grpo, luspo: mean over the micro-batch's rows, empty ones included
             global_seqs = mask.shape[0]
-        scope = self.args.fastcov_scope
-        selection = None
-        if scope == "global":
-            selection = Selection(inputs.get(_SELECTION_KEYS[0]), inputs.get(_SELECTION_KEYS[1]))
         config, ctl = self._fastcov_config, self._fastcov_ctl
         if ctl is not None and ctl.knob != "entropy_coef":
             config = dataclasses.replace(config, **{ctl.knob: ctl.applied})
-        loss, metrics = policy_loss(
-            logps, mode_old, advantages, mask, mode=loss_mode, agg=agg, scope=scope,
-            config=config, entropy=entropies, group=self._fastcov_group() if scope == "global" else None,
-            global_tokens=global_tokens, global_seqs=global_seqs, selection=selection, weights=weights,
-        )
+        config = dataclasses.replace(config, high_entropy_fraction=None)  # the high-entropy mask is in the weights
+        cov = None if selection is None else Selection(selection.cov)
+        common = dict(agg=agg, scope=scope, config=config, entropy=entropies, global_tokens=global_tokens,
+                      global_seqs=global_seqs, group=self._fastcov_group() if scope == "global" else None)
+        loss, metrics = policy_loss(logps, mode_old, advantages, mask, mode=loss_mode, selection=cov, weights=weights,
+                                    **common)
+        if self._fastcov_penalty:  # KL-Cov on another loss: its penalty on the tokens it selects, added
+            penalty, selected = policy_loss(logps, old, advantages, mask, mode="kl_cov_penalty", selection=cov,
+                                            weights=token_weights, **common)
+            loss = loss + penalty
+            metrics.update({name: value for name, value in selected.items() if name.startswith("selected")})
         metrics.update(extra_metrics)
         if self.beta != 0.0:
             ref = inputs["ref_per_token_logps"]
@@ -535,8 +601,22 @@ class FastcovGRPOTrainer(GRPOTrainer):
         self._log_fastcov_metrics(mode, metrics, entropies, mask)
         loss = loss * scale
         if self.args.entropy_coef != 0.0 or ctl is not None:
-            loss = self._fastcov_entropy_control(mode, loss, entropies, mask, selection, accumulation)
+            loss = self._fastcov_entropy_control(mode, loss, entropies, mask if high is None else mask * high,
+                                                 accumulation)
+        if self.aux_loss_enabled:  # TRL's: the MoE load-balancing loss, scaled for gradient accumulation
+            loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
+            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss.detach()).mean().item())
         return loss
+
+    def _fastcov_high_entropy(self, entropies, mask, selection):
+        """bool [B, C] of the tokens ``top_entropy_quantile`` keeps (None at 1): in microbatch scope TRL's own mask
+        (``get_high_entropy_mask``: entropy ≥ the quantile over every process's loss tokens), in global scope the
+        rollout-wide selection (``compute_global_selection``)."""
+        if self._fastcov_config.high_entropy_fraction is None:
+            return None
+        if selection is not None:
+            return selection.high_entropy
+        return self.get_high_entropy_mask(entropies.detach(), mask, 1.0 - self.top_entropy_quantile)
 
     def _fastcov_rollout_weights(self, inputs, logps, old, mask):
         """Per-token loss weights [B, C] (or None) and their metrics: TRL's vLLM importance-sampling correction
@@ -557,7 +637,7 @@ class FastcovGRPOTrainer(GRPOTrainer):
             clip_max = self.vllm_importance_sampling_clip_max
             log_ratio = torch.nan_to_num((old - sampling) * mask, nan=0.0)
             weights, is_metrics = rollout_correction(
-                log_ratio, valid, level=level, mode=how, clip_max=_NO_UPPER if clip_max is None else float(clip_max),
+                log_ratio, valid, level=level, mode=how, clip_max=None if clip_max is None else float(clip_max),
                 clip_min=self.vllm_importance_sampling_clip_min)
             metrics["rollout_is_mean"] = is_metrics["rollout_is_mean"]
         vespo_ratio = None
@@ -576,15 +656,10 @@ class FastcovGRPOTrainer(GRPOTrainer):
             weights = (weights, vespo_ratio)
         return weights, metrics
 
-    def _fastcov_entropy_control(self, mode, loss, entropies, mask, selection, accumulation):
-        """TRL's entropy bonus (``entropy_coef`` or the controller's coefficient) and, in training, the controller's
-        window measurement and its update at each optimizer step (``GRPOTrainer._compute_loss``'s rule)."""
-        fraction, effective = self._fastcov_config.high_entropy_fraction, mask
-        if fraction is not None:  # the tokens fastcov's loss trains on
-            high = selection.high_entropy if selection is not None else None
-            if high is None:
-                high = select_top_covariance(entropies.detach(), mask.bool(), fraction)
-            effective = mask * high
+    def _fastcov_entropy_control(self, mode, loss, entropies, effective, accumulation):
+        """TRL's entropy bonus (``entropy_coef`` or the controller's coefficient) over ``effective`` (the loss tokens
+        the high-entropy mask keeps) and, in training, the controller's window measurement and its update at each
+        optimizer step (``GRPOTrainer._compute_loss``'s rule)."""
         ctl = self._fastcov_ctl
         controls_coef = ctl is not None and ctl.knob == "entropy_coef"
         if controls_coef or self.args.entropy_coef != 0.0:

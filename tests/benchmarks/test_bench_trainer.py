@@ -114,3 +114,29 @@ def test_gpu_suite_trainer_part_at_smoke_size(tmp_path):
     rows = [json.loads(line) for p in tmp_path.rglob("suite-*.jsonl") for line in p.read_text().splitlines()]
     (row,) = [r for r in rows if r.get("part") == "trainer" and r.get("name") == "bench.trainer"]
     assert row["status"] == "ok" and "a fastcov" in row["summary"] and "a trl" in row["summary"]
+
+
+@pytest.mark.slow
+def test_model_case_runs_a_gguf_model_on_its_own_task(tmp_path, monkeypatch):
+    """Case d's code path (a pretrained model from a GGUF file, its chat-arithmetic task, its own sizes) on a tiny
+    GGUF model instead of SmolLM2's 98 MB: one line per trainer, both on the converted model and its vocabulary."""
+    pytest.importorskip("gguf")
+    from _gguf import tiny_hf_model, write_gguf
+
+    write_gguf(tiny_hf_model("llama", tied=True), tmp_path / "tiny.gguf")
+    case = dict(B.MODEL_CASES["d"], model=str(tmp_path / "tiny.gguf"), level="d1o1",
+                sizes=dict(prompts=2, n=4, max_new=6, long_new=6, mini_batches=2, lr=1e-4, steps=1, warmup=1,
+                           pool=4, eval_prompts=4))
+    monkeypatch.setitem(B.MODEL_CASES, "d", case)
+    out = tmp_path / "out.jsonl"
+    assert B.main(["--preset", "tiny", "--cases", "d", "--work", str(tmp_path / "work"), "--jsonl", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["trainer"], r["case"], r["case_name"]) for r in rows] == [("fastcov", "d", "smollm2"),
+                                                                       ("trl", "d", "smollm2")]
+    model = tmp_path / "work" / "smollm2" / "model"
+    for r in rows:
+        assert r["model"]["path"] == str(model) and r["model"]["vocab_size"] == 263 and r["prompts"] == 2
+        assert r["task"] == "chat_arith d1o1" and r["rollout_batches"] == 2 and r["max_new_tokens"] == 6
+        assert r["eval_before"]["prompts"] == 4 and r["pool_before"]["prompts"] == 4
+        assert math.isfinite(r["step_s"]) and r["step_s"] > 0
+    assert (model / "gguf-source.json").is_file() and (tmp_path / "work" / "smollm2" / "data-d1o1" / "val.parquet").is_file()

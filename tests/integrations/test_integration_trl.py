@@ -183,7 +183,7 @@ def test_one_training_step(tmp_path, mode, scope, extra):
 
 def test_global_scope_selects_over_the_rollout_batch(tmp_path):
     """k = ⌊ratio · n⌋ over the whole rollout batch, not per micro-batch; the rows follow TRL's shuffle/split."""
-    trainer = make_trainer(tmp_path, fastcov_scope="global", kl_cov_ratio=0.3)
+    trainer = make_trainer(tmp_path, fastcov_loss_mode="kl_cov", fastcov_scope="global", kl_cov_ratio=0.3)
     ids, mask, keep = padded_batch(rows=6)
     prompt_len = ids.shape[1] - keep
     output = {
@@ -221,19 +221,21 @@ def test_global_scope_selects_over_the_rollout_batch(tmp_path):
         (dict(clip_cov_lb=5.0, clip_cov_ub=1.0), "clip_cov_lb"),
         (dict(kl_cov_coef=-1.0), "kl_cov_coef"),
         (dict(loss_type="not_a_loss"), "loss_type"),
-        # CISPO / SAPO / VESPO / GSPO are losses of their own: not with Clip-Cov / KL-Cov (the default fastcov_loss_mode)
-        (dict(loss_type="cispo"), "fastcov_loss_mode"),
-        (dict(loss_type="vespo"), "fastcov_loss_mode"),
-        (dict(importance_sampling_level="sequence"), "fastcov_loss_mode"),
+        # CISPO / SAPO / VESPO / GSPO have no token clip for Clip-Cov to select inside (KL-Cov's penalty adds to them)
+        (dict(loss_type="cispo", fastcov_loss_mode="clip_cov"), "fastcov_loss_mode"),
+        (dict(loss_type="vespo", fastcov_loss_mode="clip_cov"), "fastcov_loss_mode"),
+        (dict(importance_sampling_level="sequence", fastcov_loss_mode="clip_cov"), "fastcov_loss_mode"),
         (dict(use_adaptive_entropy=True, entropy_coef_delta=-0.1), "entropy_coef_delta"),
         (dict(use_adaptive_entropy=True, entropy_coef=2.0), "entropy_coef"),  # outside [min, max] = [0, 1]
-        (dict(fastcov_entropy_control={"target": 1.0, "knob": "clip_cov_ratio", "delta": 0.1}),
-         "fastcov_entropy_control"),  # the default mode is kl_cov
+        (dict(fastcov_entropy_control={"target": 1.0, "knob": "kl_cov_coef", "delta": 0.1}),
+         "fastcov_entropy_control"),  # the default mode, auto, is clip_cov with TRL's default loss_type dapo
+        (dict(loss_type="cispo", fastcov_entropy_control={"target": 1.0, "knob": "clip_cov_ratio", "delta": 0.1}),
+         "fastcov_entropy_control"),  # ... and kl_cov with cispo
         (dict(fastcov_entropy_control={"target": 1.0, "delta": 0.1}, use_adaptive_entropy=True),
          "fastcov_entropy_control"),
         (dict(off_policy_mask_threshold=-0.5), "off_policy_mask_threshold"),
         (dict(epsilon=-0.1), "epsilon"),
-        (dict(delta=2.0), "delta"),  # kl_cov has no PPO clip
+        (dict(fastcov_loss_mode="kl_cov", delta=2.0), "delta"),  # kl_cov replaces PPO's token clip
         (dict(fastcov_loss_mode="vanilla", delta=1.1), "delta"),  # must exceed 1 + epsilon_high
         (dict(top_entropy_quantile=0.0), "top_entropy_quantile"),
         (dict(fastcov_scope="global", steps_per_generation=2), "fastcov_scope"),

@@ -13,6 +13,8 @@ makes the second step of each rollout off-policy (its ratios are not 1). One con
 import math
 
 import pytest
+import torch
+from _agreement import fp32_loss_tolerance, loss_term_scale
 from _dist import free_port, read_rank_reports, report_rank, spawn_ranks
 
 pytest.importorskip("trl")
@@ -29,15 +31,24 @@ def sampler_logps(ids: list[int]) -> list[float]:
     return [math.log(1 / 160) + 0.08 * math.sin(1.7 * tok + 0.9 * pos) for pos, tok in enumerate(ids)]
 
 
-def recording_trainer(base, losses: list):
-    """``base`` (TRL's GRPOTrainer or fastcov's) that appends each step's loss to ``losses`` and, when TRL reads
-    vLLM's log-probs (``trainer.use_vllm``), generates with transformers and hands over ``sampler_logps`` as the
-    sampler's (vLLM itself is never called)."""
+def recording_trainer(base, losses: list, scales: list | None = None):
+    """``base`` (TRL's GRPOTrainer or fastcov's) that appends each step's loss to ``losses`` (and to ``scales`` its
+    number of valid tokens and ``loss_term_scale``, what ``fp32_loss_tolerance`` needs) and, when TRL reads vLLM's
+    log-probs (``trainer.use_vllm``), generates with transformers and hands over ``sampler_logps`` as the sampler's
+    (vLLM itself is never called)."""
 
     class Recording(base):
+        def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+            out = super()._get_per_token_logps_and_entropies(*args, **kwargs)
+            self._recorded_logps = out[0]
+            return out
+
         def _compute_loss(self, model, inputs):
-            loss = super()._compute_loss(model, inputs)
+            loss = super()._compute_loss(model, inputs)  # its log-probs are the last the method above saw
             losses.append(float(loss.detach()))
+            if scales is not None:
+                mask = inputs["completion_mask"]
+                scales.append((int(mask.sum()), loss_term_scale(inputs["advantages"], self._recorded_logps, mask)))
             return loss
 
         def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, **kwargs):
@@ -61,7 +72,8 @@ def _run(kind: str, out_dir: str, model, vllm: bool, options: dict, world: int =
 
     base, config_cls = (trl.GRPOTrainer, trl.GRPOConfig) if kind == "trl" else (FastcovGRPOTrainer, FastcovGRPOConfig)
     losses: list[float] = []
-    Recording = recording_trainer(base, losses)
+    scales: list[tuple[int, float]] = []
+    Recording = recording_trainer(base, losses, scales)
 
     extra = dict(fastcov_loss_mode="vanilla") if kind == "fastcov" else {}
     kwargs = dict(
@@ -82,20 +94,25 @@ def _run(kind: str, out_dir: str, model, vllm: bool, options: dict, world: int =
     spacing = {n: 2.0 ** -23 * float(params[n].detach().abs().max()) for n in params}  # fp32 parameters' resolution
     logs = {k: v for row in trainer.state.log_history for k, v in row.items()
             if k.startswith(("sampling/importance_sampling_ratio", "fastcov/"))}
-    return dict(losses=losses, updates=updates, spacing=spacing, logs=logs)
+    return dict(losses=losses, scales=scales, updates=updates, spacing=spacing, logs=logs)
 
 
-def _check(ours: dict, theirs: dict, where, abs_loss: float = 1e-9) -> None:
-    import torch
-
+def _check(ours: dict, theirs: dict, where) -> None:
+    """Every step's loss and every parameter's update equal TRL's within what fp32 rounding of the loss's sums
+    allows (``fp32_loss_tolerance``; TRL's tokens and term scale: both sides see the same batch)."""
     assert len(theirs["losses"]) == STEPS, (where, theirs["losses"])
-    assert ours["losses"] == pytest.approx(theirs["losses"], rel=1e-6, abs=abs_loss), (where, ours["losses"],
-                                                                                  theirs["losses"])
+    for step, (a, b, (tokens, scale)) in enumerate(zip(ours["losses"], theirs["losses"], theirs["scales"],
+                                                      strict=True), start=1):
+        tol = fp32_loss_tolerance(tokens, scale, step)
+        assert abs(a - b) <= tol, (where, step, ours["losses"], theirs["losses"], abs(a - b), tol)
+    # an update is lr × the sum of STEPS gradients, each a sum of a step's per-token terms: relative to the largest
+    # update, the same STEPS·n·u as the loss, plus the fp32 parameters' spacing (the update is their difference)
+    tokens = max(n for n, _ in theirs["scales"])
+    rel = fp32_loss_tolerance(tokens, 1.0, STEPS)
     moved = 0.0
     for name, update in theirs["updates"].items():
         a, b = torch.tensor(ours["updates"][name]), torch.tensor(update)
-        # an update is a difference of two fp32 parameters: known to 1e-6 of itself plus the parameters' spacing
-        tol = 1e-6 * float(b.abs().max()) + 4 * theirs["spacing"][name]
+        tol = rel * float(b.abs().max()) + 4 * theirs["spacing"][name]
         assert float((a - b).abs().max()) <= tol, (where, name, float((a - b).abs().max()), tol)
         moved = max(moved, float(b.abs().max()))
     assert moved > 1e-4, (where, "nothing trained")
@@ -160,6 +177,44 @@ def test_correction_option_equals_trl(tmp_path, case):
         assert ours["logs"]["fastcov/off_policy_masked_fraction"] >= 0.0
 
 
+def _mutated_policy_loss(real, mutation: str):
+    """fastcov's ``policy_loss`` with one real mistake in what it is given: a sign, a token off the mask."""
+
+    def mutated(logprob, old_logprob, advantages, mask, **kwargs):
+        if mutation == "sign":  # the first completion's advantage with the wrong sign
+            advantages = torch.cat([-advantages[:1], advantages[1:]])
+        elif mutation == "mask":  # the first completion's last token left out
+            last = int(mask[0].nonzero().max())
+            mask = mask.clone()
+            mask[0, last] = 0
+        return real(logprob, old_logprob, advantages, mask, **kwargs)
+
+    return mutated
+
+
+def test_a_mutated_loss_fails_the_comparison(tmp_path):
+    """The tolerance that passes the comparison above is tight enough to catch a real mistake: VESPO (the case
+    whose terms cancel most) with one advantage's sign flipped, one token off the mask, or the β·KL term dropped."""
+    from test_integration_trl import tiny_model
+
+    import fastcov.integrations.trl as fastcov_trl
+
+    vllm, options = CASES["vespo_truncate"]
+    model_dir = str(tmp_path / "model")
+    tiny_model().save_pretrained(model_dir)
+    theirs = _run("trl", str(tmp_path), model_dir, vllm, options)
+    real_aggregate = fastcov_trl.aggregate_loss  # in the TRL integration only the β·KL term goes through it
+    for mutation in ("sign", "mask", "no_kl"):
+        with pytest.MonkeyPatch.context() as patch:
+            if mutation == "no_kl":
+                patch.setattr(fastcov_trl, "aggregate_loss", lambda v, *a, **k: 0 * real_aggregate(v, *a, **k))
+            else:
+                patch.setattr(fastcov_trl, "policy_loss", _mutated_policy_loss(fastcov_trl.policy_loss, mutation))
+            ours = _run("fastcov", str(tmp_path), model_dir, vllm, options)
+        with pytest.raises(AssertionError):
+            _check(ours, theirs, mutation)
+
+
 # ---------------------------------------------------------------- two processes
 
 WORLD = 2
@@ -185,8 +240,8 @@ def test_gspo_vllm_ratio_and_off_policy_mask_equal_trl_on_two_processes(tmp_path
     spawn_ranks(report_rank, (WORLD, free_port(), str(tmp_path), _two_process_body, model_dir, str(tmp_path), WORLD),
                 WORLD)
     for rank, res in enumerate(read_rank_reports(tmp_path, WORLD)):
-        # a rank's loss is its share of a global mean: sums that cancel to near 0 carry the terms' rounding
-        _check(res["fastcov"], res["trl"], f"rank {rank}", abs_loss=5e-7)
+        # a rank's loss is its share of a global mean that can cancel to near 0: the terms' scale sets the bound
+        _check(res["fastcov"], res["trl"], f"rank {rank}")
         assert sum(loss != 0.0 for loss in res["trl"]["losses"]) >= STEPS // 2, res["trl"]["losses"]  # not all masked
 
 
@@ -196,10 +251,7 @@ def test_gspo_vllm_ratio_and_off_policy_mask_equal_trl_on_two_processes(tmp_path
 @pytest.mark.parametrize("overrides,option", [
     (dict(loss_type="vespo", use_vllm=True, vllm_importance_sampling_mode="sequence_mask"),
      "vllm_importance_sampling_mode"),
-    (dict(importance_sampling_level="sequence", top_entropy_quantile=0.5), "top_entropy_quantile"),
-    (dict(loss_type="sapo", importance_sampling_level="sequence", top_entropy_quantile=0.5), "top_entropy_quantile"),
-    (dict(importance_sampling_level="sequence", delta=2.0), "delta"),
-    (dict(loss_type="sapo", fastcov_loss_mode="kl_cov"), "fastcov_loss_mode"),
+    (dict(loss_type="sapo", fastcov_loss_mode="clip_cov"), "fastcov_loss_mode"),
     (dict(use_vllm=True, vllm_importance_sampling_mode="token"), "vllm_importance_sampling_mode"),
     (dict(use_vllm=True, vllm_importance_sampling_clip_min=4.0), "vllm_importance_sampling_clip_min"),
     (dict(off_policy_mask_threshold=-0.1), "off_policy_mask_threshold"),

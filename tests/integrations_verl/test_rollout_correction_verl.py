@@ -78,6 +78,34 @@ def test_sequence_weights_are_bounded_like_verl():
     assert float(ours.max()) == pytest.approx(math.exp(20.0))
 
 
+def test_std_of_a_constant_statistic_is_verls_but_for_its_epsilon():
+    """verl's ``*_std`` (rollout_is_std, the rejection criteria's ``<prefix>_std``) is √(E[x²] − E[x]²) with its
+    masked_mean's denominator n + 1e-8: for a constant x = μ over n tokens that is |μ|·√(f(1 − f)), f = n / (n + 1e-8),
+    ≈ |μ|·1e-4/√n (4e-5 for μ = 1, n = 6), where fastcov's exact means give 0. Nowhere else do the two part by more
+    than 1e-6 (the other tests); docs/integrations.md states this."""
+    old, rollout, mask = _batch(9)
+    n = int(mask.sum())
+    f = n / (n + 1e-8)
+    # every sequence's ratio above the bound: each token's weight is the bound, 1.05
+    log_ratio = torch.full_like(old, 0.5)
+    _, theirs = helper.compute_rollout_correction_weights(log_ratio * mask, mask.double(), rollout_is="sequence",
+                                                          rollout_is_threshold=1.05)
+    _, ours = rollout_correction(log_ratio, mask, level="sequence", mode="truncate", clip_max=1.05)
+    assert float(ours["rollout_is_std"]) == 0.0
+    assert theirs["rollout_is_std"] == pytest.approx(1.05 * math.sqrt(f * (1 - f)), rel=1e-3)
+    # a rejection statistic constant on every token (k3 of one log-ratio, inside the bound: nothing rejected)
+    log_ratio = torch.full_like(old, 0.1)
+    keep_theirs, theirs = helper.compute_rollout_rejection_mask(log_ratio, mask.double(), "token_k3", 0.02)
+    keep, ours = rollout_rejection(log_ratio, mask, "token_k3", 0.02)
+    assert torch.equal(keep, keep_theirs.bool()) and bool(keep[mask].all())
+    k3 = math.exp(0.1) - 1.0 - 0.1
+    std_keys = [key for key in theirs if key.endswith("_std") and not key.endswith("_seq_std")]
+    assert std_keys
+    for key in std_keys:
+        assert float(ours[key]) == 0.0, key
+        assert theirs[key] == pytest.approx(k3 * math.sqrt(f * (1 - f)), rel=1e-3), key
+
+
 def _criteria_cases():
     single = [(c, "1.5" if c.endswith("k1") else "0.02") for c in REJECTION_CRITERIA]
     chained = [("token_k1,seq_mean_k3,seq_max_k2", "0.7_1.4,0.01,0.05"), ("seq_sum_k1,token_k3", "0.5_2.0,0.03"),

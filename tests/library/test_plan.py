@@ -78,6 +78,61 @@ def test_unknown_model_is_a_clear_error(capsys):
     assert "unknown preset 'gpt-9'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("spec", ["Qwen/Qwen2.5-7B", "Qwen/Qwen2.5-7B-Instruct", "qwen2.5-7b"])
+def test_a_hub_id_of_a_preset_plans_offline(spec, capsys):
+    """`--config` mapped Qwen/Qwen2.5-7B to its preset and `--model` did not: both do now, without a download."""
+    assert main(["plan", "--model", spec, "--gpus", "8", "--tokens-per-gpu", "4096", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["num_parameters"] == QWEN25["qwen2.5-7b"].num_parameters()
+
+
+def test_a_model_directory_and_a_cached_hub_config(tmp_path, monkeypatch, capsys):
+    config = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000}
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(config))
+    expected = ModelShape.from_hf_config(config).num_parameters()
+    assert main(["plan", "--model", str(tmp_path / "model"), "--json"]) == 0  # a directory, as model.path takes
+    assert json.loads(capsys.readouterr().out)["num_parameters"] == expected
+    # any other Hub id: its config.json from the local Hugging Face cache, as a download would have left it
+    snapshot = tmp_path / "hub" / "models--org--tiny" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps(config))
+    (tmp_path / "hub" / "models--org--tiny" / "refs").mkdir()
+    (tmp_path / "hub" / "models--org--tiny" / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a request would fail the test instead of hanging on no network
+    import huggingface_hub.constants as hub_constants
+
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert main(["plan", "--model", "org/tiny", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["num_parameters"] == expected
+    assert main(["plan", "--model", "org/absent"]) == 2
+    err = capsys.readouterr().err
+    assert "not in the Hugging Face cache (plan never downloads)" in err and "hf download org/absent" in err
+    (tmp_path / "empty").mkdir()
+    assert main(["plan", "--model", str(tmp_path / "empty")]) == 2
+    assert "directory without config.json" in capsys.readouterr().err
+
+
+def test_what_plan_defaults(capsys):
+    """--gpus and --tokens-per-gpu were 'required' although --help showed them optional; --zero's default 3 refused
+    a 4-bit base."""
+    assert main(["plan", "--model", "qwen2.5-0.5b", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert (plan["gpus"], plan["tokens_per_gpu"], plan["zero_stage"]) == (1, 8192, 0)
+    assert main(["plan", "--gpus", "1", "--lora-rank", "16", "--quantization", "4bit", "--model", "qwen2.5-7b",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["zero_stage"] == 0
+    assert main(["plan", "--model", "qwen2.5-7b", "--gpus", "4", "--lora-rank", "16", "--quantization", "4bit",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["zero_stage"] == 2
+    assert main(["plan", "--model", "qwen2.5-7b", "--gpus", "8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["zero_stage"] == 3  # unchanged on several GPUs
+    assert main(["plan", "--model", "qwen2.5-7b", "--gpus", "4", "--zero", "3", "--lora-rank", "16",
+                 "--quantization", "4bit"]) == 2  # asked for explicitly: still refused, with the reason
+    assert "zero_stage <= 2" in capsys.readouterr().err
+
+
 def test_cli_accepts_the_deepspeed_launchers_local_rank(monkeypatch, capsys):
     monkeypatch.setenv("LOCAL_RANK", "unset")  # monkeypatch restores the original environment afterwards
     monkeypatch.delenv("LOCAL_RANK")

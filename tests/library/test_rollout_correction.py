@@ -57,6 +57,31 @@ def test_weights_are_the_formula_with_zero_padding_and_no_gradient(level, mode, 
     assert float((weights[mask] - 1).abs().max()) > 0.1  # something is truncated or masked
 
 
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("mode", ["truncate", "mask"])
+@pytest.mark.parametrize("lo", [None, 0.8])
+def test_no_upper_bound_is_none_and_holds_in_every_dtype(level, mode, lo):
+    """clip_max=None (TRL's ``vllm_importance_sampling_clip_max=None``) bounds nothing from above; so does a bound past
+    the dtype's range (1e300 in fp32 used to raise 'value cannot be converted to type float without overflow')."""
+    log_ratio, mask = _batch(4, scale=0.3 if level == "token" else 0.08)
+    expected = _reference_weights(log_ratio, mask, level, mode, math.inf, lo)
+    for dtype in (torch.float64, torch.float32, torch.bfloat16):
+        for hi in (None, 1e300):
+            weights, metrics = rollout_correction(log_ratio.to(dtype), mask, level=level, mode=mode, clip_max=hi,
+                                                  clip_min=lo)
+            # the reference in float64 from the same rounded inputs: exp of a rounded value, rounded once more
+            reference = _reference_weights(log_ratio.to(dtype).double(), mask, level, mode, math.inf, lo)
+            tol = 4 * torch.finfo(dtype).eps * (1 + 13 * (level == "sequence"))  # exp's rounding, × the summed terms
+            torch.testing.assert_close(weights.double(), reference, rtol=tol, atol=0.0)
+            assert weights.dtype == dtype and all(bool(torch.isfinite(v)) for v in metrics.values())
+            assert float(metrics["rollout_is_ratio_fraction_high"]) == 0.0
+            if lo is None:
+                assert float(metrics["rollout_is_ratio_fraction_low"]) == 0.0
+    assert float(expected[mask].max()) > 1.15  # ratios above any bound one would set are kept
+    if lo is not None and level == "token":
+        assert float(expected[mask].min()) in ((0.0,) if mode == "mask" else (lo,))  # the lower bound acts
+
+
 def test_sequence_weights_broadcast_and_bound_the_exponent():
     log_ratio, mask = _batch(2, scale=5.0)
     weights, _ = rollout_correction(log_ratio, mask, level="sequence", mode="mask", clip_max=1e30)
@@ -387,3 +412,28 @@ def test_bad_segments_name_the_argument():
     for bad in (torch.zeros(2, 2, dtype=torch.long), torch.ones_like(logprob)):  # wrong shape, floating
         with pytest.raises(ValueError, match="segments"):
             policy_loss(logprob, old, adv, mask, mode="gspo", segments=bad)
+
+
+def test_gspo_dual_clip_bounds_the_loss_of_negative_advantages():
+    """Mode gspo applies dual_clip_c (TRL's delta with GSPO): where A < 0 and the sequence ratio s > c the token loss
+    is −A·c with no gradient; elsewhere the plain GSPO loss."""
+    rows, cols = 6, 7
+    g = torch.Generator().manual_seed(21)
+    mask = torch.arange(cols)[None, :] < torch.randint(2, cols + 1, (rows,), generator=g)[:, None]
+    logprob = (-2 * torch.rand(rows, cols, generator=g, dtype=torch.float64)).requires_grad_(True)
+    old = logprob.detach() - 0.3 * torch.rand(rows, 1, generator=g, dtype=torch.float64)  # s = e^0..e^0.3 per row
+    adv = torch.tensor([-1.0, -0.5, 0.7, -2.0, 1.0, -0.3], dtype=torch.float64)[:, None].expand(rows, cols)
+    c = 1.15
+    loss, _ = policy_loss(logprob, old, adv, mask, mode="gspo", agg="token-mean",
+                          config=LossConfig(clip_low=0.1, clip_high=0.1, dual_clip_c=c))
+    plain, _ = policy_loss(logprob, old, adv, mask, mode="gspo", agg="token-mean",
+                           config=LossConfig(clip_low=0.1, clip_high=0.1))
+    s = torch.exp(((logprob.detach() - old) * mask).sum(-1) / mask.sum(-1))
+    bound = (adv[:, 0] < 0) & (s > c)
+    assert 0 < int(bound.sum()) < rows  # the case binds on some rows, not all
+    per_row = torch.where(bound, -adv[:, 0] * c, torch.maximum(-adv[:, 0] * s, -adv[:, 0] * s.clamp(0.9, 1.1)))
+    expected = (per_row[:, None].expand(rows, cols) * mask).sum() / mask.sum()
+    torch.testing.assert_close(loss, expected, rtol=1e-12, atol=0.0)
+    assert float(loss) < float(plain)
+    (grad,) = torch.autograd.grad(loss, logprob)
+    assert bool((grad[bound] == 0).all()) and bool((grad[~bound[:, None] & mask] != 0).any())

@@ -33,6 +33,7 @@ SECTIONS = tuple(f.name for f in dataclasses.fields(Config))
 NOT_OPTIONS = {
     "algo.mdoe": "the misspelt key shown being rejected",
     "model.generate": "transformers' generate method",
+    "trainer.logger": "verl's name for what trainer.report_to is",
 }
 _KEY = rf"(?<![\w./-])((?:{'|'.join(SECTIONS)})(?:\.[A-Za-z_]\w*)+)"
 SPAN_OPTION = re.compile(_KEY + r"(?:=(\S+)|: (\S+))?")  # inside backticks

@@ -51,11 +51,12 @@ def test_an_installed_wheel_finds_its_configs(tmp_path):
                    check=True, capture_output=True)
     probe = ("import fastcov; from fastcov.trainer.experiments.configs import resolve_config, shipped_config; "
              "print(fastcov.__file__); print(shipped_config('demo.yaml')); "
-             "print(resolve_config('configs/studies/entropy-control.yaml'))")
+             "print(resolve_config('configs/studies/entropy-control.yaml')); "
+             "from fastcov.configs import resolve_config as by_name; print(by_name('tiny'))")  # `fastcov train tiny`
     out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, check=True,
                          env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"}).stdout.split()
     assert all(Path(p).is_relative_to(site) for p in out), out  # the wheel's copy, not the checkout
-    assert Path(out[1]).is_file() and Path(out[2]).is_file()
+    assert Path(out[1]).is_file() and Path(out[2]).is_file() and Path(out[3]).name == "tiny.yaml"
     assert not any(n.startswith("kernels/") for n in names)
     probe = ("import fastcov.kernels, fastcov.kernels.covariance_torch as c; print(c.__file__)\n"
              "try:\n    import kernels\nexcept ImportError:\n    print('no-kernels')")

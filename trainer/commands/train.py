@@ -1,8 +1,12 @@
-"""`fastcov train CONFIG [key=value ...] [--resume [CHECKPOINT]]`."""
+"""`fastcov train CONFIG [key=value ...] [--resume [CHECKPOINT]]`, flags and overrides in any order."""
 
 from __future__ import annotations
 
 import argparse
+import re
+
+# a dotted override (`trainer.max_steps=6`): what `--resume` must not take for its CHECKPOINT
+OVERRIDE = re.compile(r"[A-Za-z_][\w-]*(\.[\w-]+)*=")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,19 +27,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
 
 
+def resume_target(args: argparse.Namespace) -> None:
+    """`--resume trainer.max_steps=6`: argparse gives the override to --resume as its CHECKPOINT; give it back
+    (a path that exists stays a checkpoint, whatever its name)."""
+    from pathlib import Path
+
+    if isinstance(args.resume, str) and OVERRIDE.match(args.resume) and not Path(args.resume).exists():
+        args.overrides.append(args.resume)
+        args.resume = True
+
+
 def run(args: argparse.Namespace) -> int:
     import sys
 
     from fastcov.trainer.config import load_config
 
+    resume_target(args)
     cfg = load_config(args.config, args.overrides)  # a ConfigError is one line from fastcov.cli.main
     if args.print_config:
         import yaml
 
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
         return 0
+    import logging
+
     from fastcov.trainer.runtime.errors import LostRankError, RolloutError
     from fastcov.trainer.train import train
+
+    if logging.getLogger("fastcov").getEffectiveLevel() > logging.INFO:
+        cfg.trainer.progress = False  # --quiet: no progress bar either
 
     try:
         train(cfg, resume=args.resume, overwrite=args.overwrite)

@@ -1,28 +1,8 @@
-"""Where the shipped configs are: ``configs/`` of a checkout, or ``fastcov/configs/`` inside an installed
-wheel, both reached as the package ``fastcov.configs`` (pyproject.toml maps it and ships its YAML)."""
+"""Where the shipped configs are (the package ``fastcov.configs``: ``configs/`` of a checkout, ``fastcov/configs/``
+inside an installed wheel); kept here for the experiments that import it."""
 
 from __future__ import annotations
 
-from importlib.resources import files
-from pathlib import Path
+from fastcov.configs import PREFIX, resolve_config, shipped_config, shipped_names
 
-PREFIX = "configs/"
-
-
-def shipped_config(name: str) -> Path:
-    """The shipped config ``name`` (e.g. "demo.yaml", "studies/hard-task.yaml")."""
-    return Path(str(files("fastcov.configs").joinpath(name)))
-
-
-def resolve_config(path: str | Path) -> Path:
-    """``path`` as given when it exists or is absolute; else a ``configs/...`` path names a shipped config
-    (what the README and the study files write, wherever the command runs from)."""
-    p = Path(path)
-    if p.is_absolute() or p.exists():
-        return p
-    text = p.as_posix()
-    if text.startswith(PREFIX):
-        shipped = shipped_config(text[len(PREFIX):])
-        if shipped.exists():
-            return shipped
-    return p
+__all__ = ["PREFIX", "resolve_config", "shipped_config", "shipped_names"]

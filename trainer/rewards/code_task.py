@@ -92,7 +92,7 @@ class CodeRewardFn:
 
         c = rcfg.code
         limits = SandboxLimits(cpu_s=c.cpu_s, wall_s=c.wall_s, memory_mb=c.memory_mb, nproc=c.nproc,
-                               max_output_bytes=int(c.max_output_kb * 1024))
+                               max_output_bytes=int(c.max_output_kb * 1024), disk_mb=c.disk_mb)
         return cls(rcfg.kind, limits, rcfg.workers, c.sandbox_fusion_url)
 
     def is_correct(self, response: str, truth: str) -> bool:

@@ -8,11 +8,22 @@ What confines the program (each piece is tested with a hostile program in tests/
 
 * a separate process, started through ``_sandbox_launcher.py`` (standard library only), whose process
   group is SIGKILLed when ``wall_s`` runs out;
-* resource limits: CPU seconds (RLIMIT_CPU: SIGXCPU), address space (RLIMIT_AS: MemoryError), file size
-  (RLIMIT_FSIZE: EFBIG), open files, process count (RLIMIT_NPROC) and no core dumps;
-* an empty network namespace (only a loopback device, down) and a pid namespace whose init takes every
-  leftover process with it; created directly as root, inside a user namespace otherwise. When the OS
-  refuses namespaces the program runs without them and a one-time warning says so;
+* memory: a memory cgroup per call where the trainer can make one (``_sandbox_cgroup.py``; root on cgroup v1,
+  or a delegated v2 cgroup), which counts everything the program and its forks hold against ``memory_mb``; else
+  ``memory_mb`` of address space per process (RLIMIT_AS). Memory outside both is refused: memfd_create,
+  SysV shared memory and message queues (the seccomp filter), POSIX message queues (RLIMIT_MSGQUEUE 0);
+* disk: the work dir is a private tmpfs of ``disk_mb`` in the program's own mount namespace, its only
+  writable place, shared by its forks: the call's total write quota, held in memory and gone with the call;
+  RLIMIT_FSIZE caps each file at ``file_size_mb``;
+* resource limits: CPU seconds (RLIMIT_CPU: SIGXCPU), open files, process count (RLIMIT_NPROC), no core dumps;
+* an empty network namespace (only a loopback device, down), a pid namespace whose init takes every
+  leftover process with it, a mount and an IPC namespace; created directly as root, inside a user namespace
+  otherwise. When the OS refuses namespaces the program runs without them and a one-time warning says so;
+* a seccomp filter (x86_64, aarch64): no socket but AF_INET/AF_INET6 (which the network namespace confines),
+  so no unix socket reaches a listener by its path (nor AF_VSOCK the host of a VM), no datagram socketpair
+  (it could be re-connected to a path), no io_uring (it opens sockets without a system call the filter sees),
+  and the memory calls above. Landlock's scoping (ABI 6) covers only abstract unix sockets and no Landlock
+  ABI covers sockets by path, so the filter is what closes them, on any kernel with seccomp (Linux >= 3.5);
 * Landlock (Linux ≥ 5.13): reads and execution only of the interpreter's own files, the shared libraries
   and the program's temporary directory (not the project, the run's data, /tmp or /etc: a code answer
   cannot read its tests' expected outputs); writes only inside that directory; TCP bind/connect denied
@@ -25,9 +36,12 @@ What confines the program (each piece is tested with a hostile program in tests/
   a program that prints without end is killed with status ``output_limit``);
 * a fresh temporary working directory, removed afterwards (whatever the program left in it).
 
-Statuses: ``ok`` (exit 0), ``error`` (non-zero exit or uncaught exception), ``timeout`` (wall clock),
-``cpu_limit``, ``memory_limit``, ``file_size_limit``, ``output_limit``, ``sandbox_error`` (the isolation
-could not be set up; the program did not run).
+Statuses come from the sandbox's own account, never from what the program printed: ``ok`` (exit 0, whatever
+it wrote to stderr), ``timeout`` (the wall clock), ``output_limit`` (the stdout cap), ``cpu_limit`` (SIGXCPU, or
+the hard limit's SIGKILL after the CPU time ran out), ``memory_limit`` (the kernel killed a process of the
+program's cgroup for its limit), ``disk_limit`` (the tmpfs had no space or inode left at the end),
+``file_size_limit`` (a file of the work dir reached ``file_size_mb``), ``error`` (any other non-zero exit or
+signal), ``sandbox_error`` (the launcher reported that the isolation could not be set up; the program did not run).
 
 Remote backend: ``SandboxFusionClient(url)`` posts the same program to a SandboxFusion server (the
 ``/run_code`` API verl uses: ``reward.sandbox_fusion_url``) instead of running it here.
@@ -51,8 +65,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-LAUNCHER = Path(__file__).with_name("_sandbox_launcher.py")
-SETUP_FAILED = 199
+from fastcov.trainer.rewards import _sandbox_launcher as launcher
+from fastcov.trainer.rewards._sandbox_cgroup import MemoryCgroup, usable_cgroup
+
+LAUNCHER = Path(launcher.__file__)
 NOBODY = 65534
 
 _warned: set[str] = set()
@@ -70,8 +86,9 @@ def _warn_once(key: str, msg: str) -> None:
 class SandboxLimits:
     cpu_s: float = 2.0  # CPU seconds (rounded up to whole seconds)
     wall_s: float = 6.0  # wall clock, then SIGKILL
-    memory_mb: int = 256  # RLIMIT_AS
+    memory_mb: int = 256  # the program's cgroup (all its processes) where one can be made, else RLIMIT_AS
     file_size_mb: float = 8.0  # RLIMIT_FSIZE: largest file the program may write
+    disk_mb: float = 32.0  # its work dir's tmpfs: all it may hold on disk at once, forks included
     nproc: int = 8  # RLIMIT_NPROC (processes of the program's user in its namespace)
     nofile: int = 64  # open files
     max_output_bytes: int = 1 << 20  # stdout cap; stderr keeps its first 64 KiB
@@ -86,6 +103,9 @@ class SandboxResult:
     wall_s: float
     workdir: str = ""  # where it ran (already removed)
     isolation: dict = field(default_factory=dict)
+    # the sandbox's account: exit / signal / cpu_s (init's wait), disk_full / file_size_hit / disk_bytes (the
+    # tmpfs at the end), oom_kills / memory_peak_bytes (the cgroup), setup_error
+    account: dict = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -138,12 +158,27 @@ def _landlock_abi() -> int:
         return 0
 
 
+# What the probe gives up, in this order, when a trivial program does not start; and the warning that says so.
+_FALLBACKS = (
+    ("cgroup", "sandbox: a memory cgroup was made but a program does not start in it ({why}); each process is held "
+               "to memory_mb of address space instead"),
+    ("restrict_reads", "sandbox: Python does not start with reads limited to its own files ({why}); programs can "
+                       "read every file their user can (the run's data included)"),
+    ("seccomp", "sandbox: the seccomp filter is refused ({why}); programs can reach unix sockets by their path and "
+                "hold memfd / SysV shared memory outside the memory limit"),
+    ("namespaces", "sandbox: this OS refuses new network/pid/mount namespaces ({why}); programs run WITHOUT network "
+                   "isolation{tcp}, WITHOUT a total write quota (only file_size_mb per file) and forks are reaped "
+                   "by process group only"),
+)
+
+
 def capabilities() -> dict:
     """What isolation this machine allows (probed once per process by running a trivial program).
 
-    Keys: namespaces (network + pid namespaces work), landlock (Landlock ABI, 0 = none), drop_uid (running
-    as root: the program runs as nobody), python (its interpreter), nproc_enforced (RLIMIT_NPROC binds the
-    program's user). Warns once for each missing barrier.
+    Keys: namespaces (network, pid, mount and IPC namespaces, the work dir's tmpfs), landlock (Landlock ABI,
+    0 = none), seccomp (the filter exists for this architecture), cgroup ((version, parent folder) of the memory
+    cgroups, or None), drop_uid (running as root: the program runs as nobody), python (its interpreter),
+    nproc_enforced (RLIMIT_NPROC binds the program's user). Warns once for each missing barrier.
     """
     global _caps
     with _caps_lock:
@@ -158,30 +193,31 @@ def capabilities() -> dict:
                               "programs run as root, where RLIMIT_NPROC (the fork limit) does not apply")
         abi = _landlock_abi()
         caps: dict[str, Any] = {"landlock": abi, "drop_uid": drop, "python": python, "namespaces": True,
-                                "restrict_reads": abi > 0}
+                                "restrict_reads": abi > 0, "seccomp": os.uname().machine in launcher.SECCOMP_ARCHES,
+                                "cgroup": usable_cgroup() if root else None}
         _caps = caps  # _spawn reads it
-        probe = _run(["-c", "import json, re, math; print('ok')"], "", SandboxLimits(cpu_s=5, wall_s=30), caps)
-        if probe.status != "ok" and caps["restrict_reads"]:
-            caps["restrict_reads"] = False
-            first = probe.stderr.strip()[:200] or probe.status
-            probe = _run(["-c", "print('ok')"], "", SandboxLimits(cpu_s=5, wall_s=30), caps)
+        probe_limits = SandboxLimits(cpu_s=5, wall_s=30)
+        probe = _run(["-c", "import json, re, math; print('ok')"], "", probe_limits, caps)
+        for key, msg in _FALLBACKS:
             if probe.status == "ok":
-                _warn_once("reads", f"sandbox: Python does not start with reads limited to its own files ({first}); "
-                                    "programs can read every file their user can (the run's data included)")
+                break
+            if not caps[key]:
+                continue
+            caps[key] = None if key == "cgroup" else False
+            why = (probe.account.get("setup_error") or probe.stderr.strip() or probe.status)[:200]
+            probe = _run(["-c", "print('ok')"], "", probe_limits, caps)
+            tcp = " (Landlock still denies TCP)" if caps["landlock"] >= 4 else ""
+            _warn_once(key, msg.format(why=why, tcp=tcp))
         if probe.status != "ok":
-            caps["namespaces"] = False
-            probe2 = _run(["-c", "print('ok')"], "", SandboxLimits(cpu_s=5, wall_s=30), caps)
-            if probe2.status != "ok":
-                _caps = None
-                raise RuntimeError(f"sandbox: cannot start a sandboxed Python at all: {probe2.stderr.strip()[:500]}")
-            _warn_once("ns", "sandbox: this OS refuses new network/pid namespaces "
-                             f"({probe.stderr.strip()[:200] or probe.status}); programs run WITHOUT network "
-                             "isolation" + (" (Landlock still denies TCP)" if caps["landlock"] >= 4 else "")
-                             + " and forks are reaped by process group only")
+            _caps = None
+            raise RuntimeError(f"sandbox: cannot start a sandboxed Python at all: {probe.stderr.strip()[:500]}")
         if not caps["landlock"]:
             _warn_once("landlock", "sandbox: the kernel has no Landlock; reads (the run's data included), writes "
                                    "outside the work dir and other processes' /proc entries are limited only by "
                                    "file permissions")
+        if os.uname().machine not in launcher.SECCOMP_ARCHES:
+            _warn_once("seccomp", f"sandbox: no seccomp filter for {os.uname().machine}; programs can reach unix "
+                                  "sockets by their path and hold memfd / SysV shared memory outside the memory limit")
         caps["nproc_enforced"] = (not root) or drop
         return caps
 
@@ -197,6 +233,7 @@ def _run(args: list[str], stdin: str, limits: SandboxLimits, caps: dict,
          files: dict[str, str] | None = None) -> SandboxResult:
     """Run ``python -I <args>`` in a fresh work dir holding ``files``; the work dir is removed afterwards."""
     workdir = tempfile.mkdtemp(prefix="fastcov-sbx-")
+    cgroup = None
     try:
         os.chmod(workdir, 0o700)
         for name, text in (files or {}).items():
@@ -204,31 +241,70 @@ def _run(args: list[str], stdin: str, limits: SandboxLimits, caps: dict,
         if caps["drop_uid"]:
             for p in [workdir] + [str(Path(workdir, n)) for n in (files or {})]:
                 os.chown(p, NOBODY, NOBODY)
+        memory = int(limits.memory_mb * 2**20)
+        if caps.get("cgroup"):
+            try:
+                cgroup = MemoryCgroup.create(caps["cgroup"][0], caps["cgroup"][1], memory)
+            except OSError as exc:
+                res = SandboxResult("sandbox_error", None, "", f"fastcov-sandbox: cannot make a cgroup: {exc}", 0.0)
+                res.account = {"setup_error": f"cannot make a cgroup: {exc}"}
+                return res
         spec = {
             "argv": [caps["python"], "-I", *args], "workdir": workdir,
-            "cpu_s": limits.cpu_s, "memory_bytes": int(limits.memory_mb * 2**20),
-            "fsize_bytes": int(limits.file_size_mb * 2**20), "nofile": limits.nofile, "nproc": limits.nproc,
-            "netns": caps["namespaces"], "pidns": caps["namespaces"], "landlock": caps["landlock"] > 0,
+            "cpu_s": limits.cpu_s, "memory_bytes": memory,
+            # with a cgroup counting the memory, the address space is only a backstop against absurd reservations
+            "as_bytes": max(4 * memory, memory + (1 << 30)) if cgroup else memory,
+            "cgroup_procs": cgroup.procs if cgroup else None,
+            "fsize_bytes": int(limits.file_size_mb * 2**20), "disk_bytes": int(limits.disk_mb * 2**20),
+            "nofile": limits.nofile, "nproc": limits.nproc,
+            "netns": caps["namespaces"], "pidns": caps["namespaces"], "mountns": caps["namespaces"],
+            "landlock": caps["landlock"] > 0, "seccomp": bool(caps["seccomp"]),
             "read_paths": read_paths(caps["python"]) if caps.get("restrict_reads") else None,
             "uid": NOBODY if caps["drop_uid"] else None, "gid": NOBODY if caps["drop_uid"] else None,
         }
         res = _spawn(spec, stdin, limits)
+        if cgroup is not None:
+            res.account["oom_kills"] = cgroup.oom_kills()
+            res.account["memory_peak_bytes"] = cgroup.peak_bytes()
+        if "file_size_hit" not in res.account:  # no private tmpfs: what it wrote is here, in the work dir
+            res.account["file_size_hit"] = launcher.disk_account(workdir, spec["fsize_bytes"])["file_size_hit"]
+        res.status = _status(res, limits)
         res.workdir = workdir
-        res.isolation = {"namespaces": caps["namespaces"], "landlock": caps["landlock"],
+        res.isolation = {"namespaces": caps["namespaces"], "landlock": caps["landlock"], "seccomp": caps["seccomp"],
+                         "cgroup": caps["cgroup"][0] if caps.get("cgroup") else None,
                          "uid": "nobody" if caps["drop_uid"] else os.geteuid()}
         return res
     finally:
+        if cgroup is not None:
+            cgroup.remove()
         shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _spawn(spec: dict, stdin: str, limits: SandboxLimits) -> SandboxResult:
+    """Run the launcher; the result's status is left for ``_status`` (the caller adds the cgroup's account)."""
     launcher_python = os.path.realpath(sys.executable)
     t0 = time.monotonic()
-    proc = subprocess.Popen(
-        [launcher_python, "-I", "-S", str(LAUNCHER), json.dumps(spec)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=spec["workdir"],
-        env=_scrubbed_env(spec["workdir"]), start_new_session=True, close_fds=True,
-    )
+    report_r, report_w = os.pipe()
+    try:
+        proc = subprocess.Popen(
+            [launcher_python, "-I", "-S", str(LAUNCHER), json.dumps({**spec, "report_fd": report_w})],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=spec["workdir"],
+            env=_scrubbed_env(spec["workdir"]), start_new_session=True, close_fds=True, pass_fds=(report_w,),
+        )
+    except BaseException:
+        os.close(report_r)
+        raise
+    finally:
+        os.close(report_w)
+    try:
+        return _collect(proc, stdin, limits, t0, report_r)
+    finally:
+        os.close(report_r)
+
+
+def _collect(proc: subprocess.Popen, stdin: str, limits: SandboxLimits, t0: float, report_r: int) -> SandboxResult:
+    """The program's capped stdout/stderr, its exit, and the launcher's account (read from ``report_r``, which
+    holds every line once the launcher has exited: init writes before it exits, the launcher after it waited)."""
     stdin_pipe, stdout_pipe, stderr_pipe = proc.stdin, proc.stdout, proc.stderr
     assert stdin_pipe is not None and stdout_pipe is not None and stderr_pipe is not None  # all three are PIPE
 
@@ -289,7 +365,31 @@ def _spawn(spec: dict, stdin: str, limits: SandboxLimits) -> SandboxResult:
     rc = proc.returncode
     stdout = bytes(out[: limits.max_output_bytes]).decode("utf-8", "replace")
     stderr = bytes(err).decode("utf-8", "replace")
-    return SandboxResult(_status(rc, stderr, timed_out, over), rc, stdout, stderr, wall)
+    account = _read_account(report_r)
+    account.update(timed_out=timed_out, output_over=over)
+    return SandboxResult("", rc, stdout, stderr, wall, account=account)
+
+
+def _read_account(fd: int) -> dict:
+    os.set_blocking(fd, False)
+    raw = b""
+    while len(raw) < 1 << 20:
+        try:
+            chunk = os.read(fd, 65536)
+        except BlockingIOError:
+            break
+        if not chunk:
+            break
+        raw += chunk
+    account: dict = {}
+    for line in raw.decode("utf-8", "replace").splitlines():
+        try:
+            fields = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(fields, dict):
+            account.update(fields)
+    return account
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -299,31 +399,33 @@ def _kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
-def _signal_of(rc: int | None) -> int | None:
-    if rc is None:
-        return None
-    if rc < 0:
-        return -rc
-    if 128 < rc < 128 + 65 and rc != SETUP_FAILED:
-        return rc - 128
-    return None
-
-
-def _status(rc: int | None, stderr: str, timed_out: bool, over: bool) -> str:
-    if over:
+def _status(res: SandboxResult, limits: SandboxLimits) -> str:
+    """The run's status from the sandbox's account alone (module docstring); the program's output never counts."""
+    acc = res.account
+    if acc.get("output_over"):
         return "output_limit"
-    if timed_out:
+    if acc.get("timed_out"):
         return "timeout"
-    if rc == SETUP_FAILED and "fastcov-sandbox:" in stderr:
+    if acc.get("setup_error"):
         return "sandbox_error"
-    sig = _signal_of(rc)
-    if sig == signal.SIGXCPU:  # the soft CPU limit (the hard one, a second later, is a SIGKILL: "error")
-        return "cpu_limit"
-    if sig == signal.SIGXFSZ or "File too large" in stderr:
-        return "file_size_limit"
-    if "MemoryError" in stderr or "Cannot allocate memory" in stderr:
+    if "signal" in acc:  # init's wait for the program
+        code, sig = acc.get("exit"), acc.get("signal")
+    else:  # no pid namespace: the launcher became the program, its wait status is the program's own
+        rc = res.returncode
+        code, sig = (None, -rc) if rc is not None and rc < 0 else (rc, None)
+    if sig is None and code == 0:
+        return "ok"
+    if acc.get("oom_kills"):
         return "memory_limit"
-    return "ok" if rc == 0 else "error"
+    cpu_used = acc.get("cpu_s")
+    if sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu_used is not None  # the hard limit, a second on
+                                 and cpu_used >= max(1, int(limits.cpu_s + 0.999))):
+        return "cpu_limit"
+    if acc.get("disk_full"):
+        return "disk_limit"
+    if sig == signal.SIGXFSZ or acc.get("file_size_hit"):
+        return "file_size_limit"
+    return "error"
 
 
 class Sandbox:
@@ -382,8 +484,6 @@ class SandboxFusionClient:
             status = "timeout"
         elif api == "Success" and rc == 0:
             status = "ok"
-        elif "MemoryError" in err:
-            status = "memory_limit"
-        else:
+        else:  # the server's own status fields only, never the program's stderr
             status = "error"
         return SandboxResult(status, rc, out, err, wall, isolation={"remote": True})

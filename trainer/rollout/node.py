@@ -7,18 +7,22 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from fastcov.log import EVERY_RANK
 from fastcov.trainer.rollout.base import ROLLOUT_ENGINES, RolloutBatch, RolloutEngine, SamplingParams
 from fastcov.trainer.rollout.hf import HFRolloutEngine
 from fastcov.trainer.runtime.distributed import host_name
 from fastcov.trainer.runtime.lora import copy_adapter_layout, has_adapters
 from fastcov.trainer.runtime.precision import param_dtype
 from fastcov.trainer.runtime.weight_buckets import drain
+
+logger = logging.getLogger(__name__)
 
 
 def node_group(rank: int, world: int):
@@ -147,7 +151,7 @@ def make_hf_engine(cfg, model: nn.Module, tokenizer, *, device: torch.device, ra
         return own_copy()
     group, ranks = node_group(rank, world)
     if rank == ranks[0]:  # one line per node: which rank holds its copy, for which ranks
-        print(f"[fastcov] rollout: the HF copy of host {host_name()} is on rank {rank}, sampling for ranks "
-              f"{ranks}", flush=True)
+        logger.info(f"rollout: the HF copy of host {host_name()} is on rank {rank}, sampling for ranks {ranks}",
+                    extra=EVERY_RANK)
     return NodeRolloutEngine(own_copy() if rank == ranks[0] else None, group, ranks, device,
                              per_member=r.seeding == "per_sample")

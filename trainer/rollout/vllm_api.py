@@ -16,6 +16,8 @@ from __future__ import annotations
 import re
 from types import ModuleType
 
+from fastcov.errors import MissingPackage
+
 SUPPORTED = ">=0.26,<0.34"
 _MIN, _BELOW = (0, 26), (0, 34)
 TESTED_VERSIONS = ("0.26.0", "0.33.0")  # the sources tests/trainer/rollout/test_vllm_api.py parses
@@ -49,10 +51,10 @@ def import_vllm() -> ModuleType:
     """The ``vllm`` module, checked against the supported range."""
     try:
         import vllm
-    except ImportError as exc:
-        raise ImportError(f"rollout.engine=vllm needs vLLM{SUPPORTED} (0.26 to 0.33), which is not installed "
-                          f"(pip install 'fastcov[vllm]'): {exc}") from exc
-    check_vllm_version(getattr(vllm, "__version__", "unknown"))
+    except ImportError as exc:  # a user error (one line, exit 2), still an ImportError for callers that catch it
+        raise MissingPackage(f"rollout.engine=vllm needs vLLM{SUPPORTED} (0.26 to 0.33), which is not installed "
+                             f"or does not import (pip install 'fastcov[vllm]'): {exc}") from exc
+    check_vllm_version(getattr(vllm, "__version__", "unknown"))  # start-up checked the installed one already
     return vllm
 
 

@@ -12,7 +12,6 @@ import copy
 import importlib
 import logging
 import os
-import sys
 from pathlib import Path
 
 import torch
@@ -27,6 +26,8 @@ from fastcov.trainer.rollout.vllm_wire import derived_buffer_names, dtype_name
 from fastcov.trainer.runtime.distributed import before_shutdown
 from fastcov.trainer.runtime.lora import AdapterSync, has_adapters, smallest_rank_at_least
 from fastcov.trainer.runtime.weight_buckets import bucket_bytes_from_mb, iter_buckets
+
+logger = logging.getLogger(__name__)
 
 CPU_KV_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE when unset: vLLM's CPU default counts the trainer's own memory
 _SAID: set[str] = set()
@@ -58,7 +59,7 @@ def colocated_llm_kwargs(cfg, model_dir: str, sleep: bool = True, lora_rank: int
 def say_once(msg: str) -> None:
     if msg not in _SAID:
         _SAID.add(msg)
-        print(f"[fastcov] {msg}", file=sys.stderr, flush=True)
+        logger.warning(msg)
 
 
 # vLLM's CPU attention kernels, where its backend class cannot be read (vLLM 0.32's CPUAttentionBackend)

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import logging
 import os
 import re
 import socket
-import sys
 import warnings
 from collections.abc import Callable
 
@@ -21,6 +21,8 @@ import torch.distributed as dist
 
 from fastcov.selection import all_reduce_sum
 from fastcov.trainer.runtime.extensions import skip_shm_comm_op, take_over_stale_locks
+
+logger = logging.getLogger(__name__)
 
 
 def free_port() -> int:
@@ -187,8 +189,7 @@ def shutdown_distributed(wait_for_peers: bool = True) -> None:
         try:
             fn()
         except Exception as exc:  # noqa: BLE001 - the exit goes on; the next hook and the groups still end
-            print(f"[fastcov] at exit: {getattr(fn, '__qualname__', fn)} failed: {type(exc).__name__}: {exc}",
-                  file=sys.stderr)
+            logger.warning(f"at exit: {getattr(fn, '__qualname__', fn)} failed: {type(exc).__name__}: {exc}")
     if dist.is_available() and dist.is_initialized():
         if wait_for_peers:
             barrier()

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from fastcov.errors import ConfigError, UserError
+from fastcov.errors import ConfigError, UserError, one_line
 from fastcov.trainer.runtime.checkpoint import latest_checkpoint
 from fastcov.trainer.runtime.distributed import lost_peer
 
@@ -39,6 +39,28 @@ def user_error(exc: ValueError) -> Exception:
     if msg.startswith(("model.", "trainer.device")):
         return ConfigError(msg.splitlines()[0][:500])
     return exc
+
+
+def unreadable_model(path: str, exc: BaseException) -> ValueError | None:
+    """A ``from_pretrained(path)`` failure that the model directory's own files explain, as the ValueError naming
+    ``model.path`` that ``user_error`` turns into one line: an unreadable or invalid file (OSError: config.json
+    that is not JSON, a missing shard), damaged or truncated weights (safetensors' SafetensorError, a torch pickle
+    that does not unpickle), weights whose shapes do not fit config.json, a config transformers refuses (a model
+    type it does not know). None for anything else (out of memory, a bug), which keeps its traceback."""
+    kind = type(exc).__name__
+    msg = one_line(exc)
+    if isinstance(exc, OSError):
+        why = msg
+    elif kind in ("SafetensorError", "UnpicklingError") or (isinstance(exc, RuntimeError) and (
+            "PytorchStreamReader" in msg or "invalid header" in msg)):
+        why = f"damaged or truncated weights ({kind}: {msg}); copy or export the model again"
+    elif isinstance(exc, RuntimeError) and ("mismatched_sizes" in msg or "size mismatch" in msg):
+        why = f"its weights do not fit its config.json ({msg[:300]})"
+    elif isinstance(exc, ValueError):  # how transformers refuses a config (an unknown model type, a bad field)
+        why = msg[:300]
+    else:
+        return None
+    return ValueError(f"model.path: cannot load {path!r}: {why}")
 
 
 def last_intact(ckpt_root: Path) -> str:

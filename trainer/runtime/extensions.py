@@ -8,19 +8,21 @@ and every later load sleeps on it with no output, for ever. Two rules here:
 * ``skip_shm_comm_op``: on CPU the trainer's collectives go through gloo; DeepSpeed's shared-memory op
   (``deepspeed_shm_comm``) only serves its inference all-reduce, so it is not loaded at all;
 * ``take_over_stale_locks``: before an op is loaded (DeepSpeed's CPU Adam under ``trainer.offload_optimizer``),
-  a lock that no live process holds open is removed, with one line naming it.
+  a lock that no live process holds open, at two looks a moment apart, is removed, whatever its age, with one
+  line naming it, written before the lock goes (a kill in between leaves the line and the lock, which the next
+  run takes over again).
 """
 
 from __future__ import annotations
 
+import logging
 import os
-import sys
 import time
 from pathlib import Path
 
+logger = logging.getLogger(__name__)
+
 SHM_COMM_OP = "deepspeed_shm_comm"
-# a lock younger than this may be one whose creator is between its os.open and our look at /proc
-STALE_AFTER_S = 2.0
 # a lock that looks stale is looked at again after this long before it is removed (see take_over_stale_locks)
 RECHECK_AFTER_S = 1.0
 
@@ -69,8 +71,9 @@ def lock_holders(path: Path) -> list[int]:
 
 def take_over_stale_locks(root: Path | None = None, now: float | None = None) -> list[Path]:
     """Remove every ``<root>/<op>/lock`` (``root``: default every folder of ``extensions_roots()``) that no live
-    process holds open and that is older than STALE_AFTER_S; says so in one line per lock. Returns the locks
-    removed. Does nothing where /proc cannot tell (not Linux)."""
+    process holds open, at a first look and again RECHECK_AFTER_S later, whatever its age; says so in one line per
+    lock, before removing it. Returns the locks removed. Does nothing where /proc cannot tell (not Linux).
+    ``now``: the time of the first look, which the line's age is measured from (default: the clock)."""
     if not Path("/proc/self/fd").is_dir():
         return []
     roots = extensions_roots() if root is None else [root]
@@ -81,23 +84,28 @@ def take_over_stale_locks(root: Path | None = None, now: float | None = None) ->
             stat = lock.stat()
         except FileNotFoundError:
             continue
-        if now - stat.st_mtime >= STALE_AFTER_S and not lock_holders(lock):
+        if not lock_holders(lock):
             candidates.append((lock, stat))
     if candidates:
-        # torch's builder closes the lock before it removes it: a look that falls between the two sees a lock
-        # nobody holds, and removing it then makes the builder's own remove fail. Such a lock is gone a moment
-        # later; one its holder's death left is still there, the same file, still held by no one.
+        # A look can fall where no holder shows though the lock is live: its creator between the open that made the
+        # file and the fd table entry, or torch's builder between closing the lock and removing it. Either is over
+        # a moment later (the holder shows, or the lock is gone); a lock its holder's death left is still there,
+        # the same file, held by no one. No age rule: a lock planted a second ago is as stale as an old one.
         time.sleep(RECHECK_AFTER_S)
     removed = []
     for lock, stat in candidates:
         try:
             if lock.stat().st_ino != stat.st_ino or lock_holders(lock):  # released, or released and taken again
                 continue
-            lock.unlink()
         except FileNotFoundError:
             continue
         age = now - stat.st_mtime
-        print(f"[fastcov] removed the stale build lock {lock} (left {age:.0f}s ago by a process that is gone, "
-              "e.g. a run killed during start-up)", file=sys.stderr, flush=True)
+        # the line before the unlink: a run killed between the two has still said why the lock went
+        logger.warning(f"removing the stale build lock {lock} (left {max(age, 0):.0f}s ago by a process that is "
+                       "gone, e.g. a run killed during start-up)")
+        try:
+            lock.unlink()
+        except FileNotFoundError:
+            pass  # gone meanwhile: as good
         removed.append(lock)
     return removed

@@ -36,12 +36,16 @@ def _tokenizer_class(name: str) -> str | None:
 
 def load_tokenizer(mcfg) -> PreTrainedTokenizerBase:
     """The tokenizer for a ModelConfig; pad token set (falls back to eos)."""
+    from fastcov.trainer.runtime.gguf import gguf_file, load_gguf_tokenizer
+
     name = mcfg.tokenizer or mcfg.path
     tok: PreTrainedTokenizerBase
     if name == "builtin:arith":
         from fastcov.trainer.data.synthetic import build_tokenizer
 
         tok = build_tokenizer()
+    elif (gguf := gguf_file(name)) is not None:  # the tokenizer and chat template stored in the GGUF file
+        tok = load_gguf_tokenizer(gguf)
     else:
         from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
@@ -149,11 +153,20 @@ def build_model(mcfg, device: torch.device, dtype: torch.dtype, tokenizer=None,
 def _construct(mcfg, dtype: torch.dtype, attn: str, tokenizer) -> nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    if mcfg.path is not None:
+    from fastcov.trainer.runtime.gguf import gguf_file, load_gguf_model
+
+    if (gguf := gguf_file(mcfg.path)) is not None:  # read in place (a run trains on its converted copy)
+        model = load_gguf_model(gguf, dtype, attn)
+    elif mcfg.path is not None:
         try:
             model = AutoModelForCausalLM.from_pretrained(mcfg.path, dtype=dtype, attn_implementation=attn)
-        except OSError as exc:
-            raise ValueError(f"model.path: cannot load {mcfg.path!r}: {exc}") from exc
+        except Exception as exc:
+            from fastcov.trainer.runtime.errors import unreadable_model
+
+            bad = unreadable_model(mcfg.path, exc)
+            if bad is None:
+                raise
+            raise bad from exc
     else:
         arch: dict[str, Any] = dict(mcfg.arch)
         model_type = arch.pop("model_type")
@@ -264,8 +277,13 @@ def check_model_source(mcfg, names: tuple[str, str] = ("model.path", "model.toke
     download or write. Hub ids (``org/name`` that is not a local path) are left to transformers.
     ``names``: how the error calls the model and tokenizer settings (config keys, or CLI flags).
     ``adapters_ok``: a saved LoRA adapter (adapter_config.json) is a model too (evaluation)."""
+    from fastcov.trainer.runtime.gguf import check_gguf, gguf_file
+
     for key, value in zip(names, (mcfg.path, mcfg.tokenizer), strict=True):
         if value is None or value.startswith("builtin:"):
+            continue
+        if (gguf := gguf_file(value)) is not None:  # a .gguf file, or a directory holding one
+            check_gguf(gguf, key)
             continue
         p = Path(value).expanduser()
         local = p.exists() or value.startswith((".", "/", "~")) or value.count("/") != 1
@@ -274,7 +292,8 @@ def check_model_source(mcfg, names: tuple[str, str] = ("model.path", "model.toke
         if not p.exists():
             raise ConfigError(f"{key}: {value!r} does not exist; give a Hugging Face model directory or hub id")
         if not p.is_dir():
-            raise ConfigError(f"{key}: {value!r} is a file; give the model's directory (with config.json)")
+            raise ConfigError(f"{key}: {value!r} is a file; give the model's directory (with config.json) "
+                              "or a .gguf file")
         if value == mcfg.path and not (p / "config.json").is_file():
             if adapters_ok and is_adapter_dir(p):
                 continue

@@ -3,6 +3,7 @@
     <run>/config.yaml      the resolved config          <run>/metrics.jsonl   one JSON row per step
     <run>/checkpoints/     step_NNNNNN/ (atomic)        <run>/final/          the exported HF model
     <run>/data/            the synthetic task, regenerated identically when missing
+    <run>/gguf-model/      a GGUF model.path converted to a Hugging Face directory (runtime/gguf.py)
 
 Every reader of metrics.jsonl goes through ``parse_metrics`` and so shares one policy for damage: a
 torn last line (the process died mid-write) is dropped; any other bad line is the user's to fix and
@@ -14,7 +15,9 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import logging
 import os
+import shutil
 import socket
 import time
 from pathlib import Path
@@ -31,12 +34,15 @@ from fastcov.trainer.runtime.checkpoint import (
 )
 from fastcov.trainer.runtime.distributed import all_max, broadcast_text
 
+logger = logging.getLogger(__name__)
+
 LOCK = ".lock"
 METRICS = "metrics.jsonl"
 CONFIG = "config.yaml"
 CHECKPOINTS = "checkpoints"
 FINAL = "final"
 DATA = "data"
+GGUF_MODEL = "gguf-model"
 
 
 def metrics_path(run_dir: str | Path) -> Path:
@@ -56,9 +62,9 @@ def data_dir(run_dir: str | Path) -> Path:
 
 
 # A run directory holding nothing but these can be trained into afresh (data/: the synthetic task,
-# which a run only writes when missing and regenerates identically, and its temporary folder; .lock: who
-# holds the directory).
-REGENERABLE = {DATA, staging_dir(Path(DATA)).name, LOCK}
+# which a run only writes when missing and regenerates identically, and its temporary folder; gguf-model/: a
+# GGUF model converted, the same again from the same file; .lock: who holds the directory).
+REGENERABLE = {DATA, staging_dir(Path(DATA)).name, GGUF_MODEL, f".{GGUF_MODEL}.tmp", LOCK}
 
 
 class RunDirBusy(UserError):
@@ -80,8 +86,12 @@ class RunDirLock:
     before the run writes anything until it ends. The file names the holder (pid, host, start); the kernel
     drops the lock when the holder dies, so a lock left by a killed run is taken over, and said so once."""
 
-    def __init__(self, run_dir: Path, fd: int, created: tuple[bool, bool]):
+    def __init__(self, run_dir: Path, fd: int, created: tuple[bool, bool], previous: bytes = b"",
+                 made_data: bool = True):
         self.run_dir, self.fd, self.created = Path(run_dir), fd, created  # (the directory, the lock file)
+        self.previous = previous  # what the lock file said before this run took it (a dead holder's details)
+        self.made_data = made_data  # data/ was not there: whatever is there after a failed start-up is this run's
+        self.started = False  # set once the run's start-up is done: a failure after it keeps what the run made
 
     @classmethod
     def acquire(cls, run_dir: str | Path) -> RunDirLock:
@@ -107,21 +117,26 @@ class RunDirLock:
                              "end (or stop it), or choose another trainer.run_dir") from None
         left = _holder(fd)
         if left:
-            print(f"[fastcov] trainer.run_dir: the lock left by {left}, a run that is gone, is taken over",
-                  flush=True)
+            logger.info(f"trainer.run_dir: the lock left by {left}, a run that is gone, is taken over")
+        previous = os.pread(fd, 4096, 0)
+        made_data = not (run_dir / DATA).exists() and not staging_dir(run_dir / DATA).exists()
         info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
                            "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode()
         os.ftruncate(fd, 0)
         os.pwrite(fd, info + b"\n", 0)
         os.fsync(fd)
-        return cls(run_dir, fd, created)
+        return cls(run_dir, fd, created, previous, made_data)
 
-    def release(self) -> None:
-        """Let go, leaving the file empty (a later run then has nothing to take over)."""
+    def release(self, restore: bool = False) -> None:
+        """Let go, leaving the file empty (a later run then has nothing to take over); with ``restore``, as it was
+        before this run took it (a refused start-up leaves a dead holder's details in place)."""
         if self.fd < 0:
             return
         try:
             os.ftruncate(self.fd, 0)
+            if restore and self.previous:
+                os.pwrite(self.fd, self.previous, 0)
+                os.fsync(self.fd)
         except OSError:
             pass
         fcntl.flock(self.fd, fcntl.LOCK_UN)
@@ -129,9 +144,14 @@ class RunDirLock:
         self.fd = -1
 
     def abandon(self) -> None:
-        """Release after a user error, removing what taking the lock created: the run leaves no trace."""
-        self.release()
+        """Release after a start-up that failed, undoing what it made: the synthetic task it wrote under data/,
+        the lock file and the run directory it created; a lock file that was there says what it said before.
+        The run leaves no trace for the next one to trip on."""
+        self.release(restore=True)
         made_dir, made_file = self.created
+        if self.made_data:
+            for folder in (self.run_dir / DATA, staging_dir(self.run_dir / DATA)):
+                shutil.rmtree(folder, ignore_errors=True)
         try:
             if made_file:
                 (self.run_dir / LOCK).unlink()
@@ -140,12 +160,22 @@ class RunDirLock:
         except OSError:
             pass
 
+    def close(self, exc_type, exc, tb) -> bool:
+        """An exit callback for the run's ``contextlib.ExitStack``: a failure before ``started`` abandons the
+        directory (``abandon``), anything else releases it. Never swallows the exception."""
+        if exc_type is not None and not self.started:
+            self.abandon()
+        else:
+            self.release()
+        return False
+
     def move_to(self, run_dir: Path) -> None:
         """Hold ``run_dir``'s lock instead (where the run now lives, after --overwrite moved the old one aside
         with its lock file): the same object, so whoever releases or abandons it acts on the new one."""
         new = RunDirLock.acquire(run_dir)
-        self.release()
+        self.release(restore=True)  # the old run keeps its lock file as it was
         self.run_dir, self.fd, self.created = new.run_dir, new.fd, new.created
+        self.previous, self.made_data = new.previous, new.made_data
 
 
 def _holder(fd: int) -> str:
@@ -181,7 +211,7 @@ def check_run_dir(run_dir: Path, resume, overwrite: bool, rank: int) -> Path | N
             if rank == 0:
                 why = ("has no checkpoint yet (the run stopped before its first)" if _holds_a_run(run_dir)
                        else "holds no run yet (a first attempt stopped before it started)")
-                print(f"[fastcov] --resume: {str(run_dir)!r} {why}; it starts from step 0", flush=True)
+                logger.info(f"--resume: {str(run_dir)!r} {why}; it starts from step 0")
             return None
         if path is None:
             raise CheckpointError(f"--resume: no checkpoint under {str(ckpt_root)!r}")
@@ -207,7 +237,7 @@ def prepare_run_dir(run_dir: Path, overwrite: bool) -> Path | None:
     moved = None
     if overwrite and run_dir.is_dir() and any(p.name not in REGENERABLE for p in run_dir.iterdir()):
         moved = move_aside(run_dir)
-        print(f"[fastcov] --overwrite: the previous run in {run_dir} was moved to {moved}", flush=True)
+        logger.info(f"--overwrite: the previous run in {run_dir} was moved to {moved}")
     run_dir.mkdir(parents=True, exist_ok=True)
     return moved
 

@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,6 +78,58 @@ def _malicious_rng(tmp: Path) -> bytes:
     return buf.getvalue()
 
 
+DEAD_HOLDER = '{"pid": 999999, "host": "gone-host", "since": "2020-01-01 00:00:00"}\n'
+
+
+def _dead_holder(run: Path) -> Path:
+    """The lock file a killed run leaves: its holder's details, no flock held. A refused run keeps it as it was."""
+    run.mkdir(parents=True, exist_ok=True)
+    (run / ".lock").write_text(DEAD_HOLDER)
+    return run
+
+
+_TRAINED: list[Path] = []
+
+
+def _trained_run(tmp: Path) -> Path:
+    """A copy, at ``tmp/run``, of a tiny run trained for one step with a checkpoint (trained once per session),
+    whose lock file names a dead holder."""
+    import shutil
+    import tempfile
+
+    if not _TRAINED:
+        from fastcov.trainer.config import load_config
+        from fastcov.trainer.train import train
+
+        where = Path(tempfile.mkdtemp(prefix="fastcov-bad-inputs-")) / "run"
+        train(load_config(TINY, [f"trainer.run_dir={where}", "reward.sandbox=inline", "trainer.eval_every=0",
+                                 "trainer.max_steps=1", "trainer.save_every=1"]))
+        _TRAINED.append(where)
+    shutil.copytree(_TRAINED[0], tmp / "run")
+    return _dead_holder(tmp / "run")
+
+
+def _hf_model(tmp: Path, damage: str) -> Path:
+    """A tiny Hugging Face model directory, then damaged: 'truncated' weights or an 'invalid-json' config.json."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, vocab_size=128, tie_word_embeddings=False)
+    path = tmp / "model"
+    Qwen2ForCausalLM(cfg).save_pretrained(path)
+    if damage == "truncated":
+        weights = path / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:5])
+    else:
+        (path / "config.json").write_text('{"model_type": "qwen2", ')
+    return path
+
+
+def _model_run(tmp: Path, damage: str) -> list[str]:
+    return ["train", str(TINY), "model.arch=null", f"model.path={_hf_model(tmp, damage)}",
+            f"trainer.run_dir={tmp / 'run'}"]
+
+
 def _metrics_run(tmp: Path, lines: str) -> Path:
     run = tmp / "r"
     run.mkdir()
@@ -92,6 +145,7 @@ class Case:
     build: Callable[[Path], list[str] | Callable[[], object]]  # CLI argv, or an API call
     match: str  # regex the message must match
     exc: type = Exception  # API cases: the exception type expected
+    missing: tuple[str, ...] = ()  # CLI cases: packages hidden from import (as on a machine without them)
 
 
 CLI = [
@@ -115,6 +169,9 @@ CLI = [
     Case("wrong-type-bool", lambda t: ["train", str(TINY), "trainer.progress=maybe"], r"trainer\.progress: expected true/false"),
     Case("wrong-type-list", lambda t: ["train", str(TINY), "data.train_files=a.parquet"], r"data\.train_files: expected a list"),
     Case("malformed-override", lambda t: ["train", str(TINY), "algo.mode"], r"expected key=value"),
+    Case("config-section-is-a-value", lambda t: (t / "s.yaml").write_text(TINY.read_text().replace(
+        "\ntrainer:\n", "\ntrainer: 5\nold_trainer:\n")) and ["train", str(t / "s.yaml"), f"trainer.run_dir={t / 'r'}"],
+         r"config file .*s\.yaml'?: trainer: expected a section \(key: value lines\), got 5"),
     Case("lr-inf", lambda t: ["train", str(TINY), "optim.lr=.inf"], r"optim\.lr: must be a finite number, got inf"),
     Case("lr-nan", lambda t: ["train", str(TINY), "optim.lr=nan"], r"optim\.lr: must be a finite number, got nan"),
     Case("lr-negative", lambda t: ["train", str(TINY), "optim.lr=-1e-5"], r"optim\.lr: must be > 0"),
@@ -149,7 +206,29 @@ CLI = [
     Case("resume-code-in-pickle", lambda t: ["train", str(TINY), f"trainer.run_dir={t / 'run'}",
                                              f"--resume={_checkpoint(t, rng=_malicious_rng(t))}"],
          r"rng_rank0\.pt' is damaged or not a fastcov RNG file"),
+    Case("resume-torn-state-keeps-the-lock", lambda t: _dead_holder(t / "run") and _checkpoint(t, state=TORN_STATE)
+         and ["train", str(TINY), f"trainer.run_dir={t / 'run'}", "--resume"], r"trainer_state\.json' is damaged"),
+    Case("resume-a-file-keeps-the-lock", lambda t: _dead_holder(t / "run") and (t / "run" / "metrics.jsonl").write_text(
+        '{"step": 1}\n') and ["train", str(TINY), f"trainer.run_dir={t / 'run'}", f"--resume={t / 'run' / 'metrics.jsonl'}"],
+         r"--resume: .*metrics\.jsonl"),
+    Case("resume-model-shape-keeps-the-lock", lambda t: _trained_run(t) and [
+        "train", str(TINY), f"trainer.run_dir={t / 'run'}", "reward.sandbox=inline", "trainer.max_steps=2",
+        "model.arch.hidden_size=64", "model.arch.intermediate_size=128", "--resume"], r"--resume: .*size mismatch"),
     # --- the model
+    Case("model-weights-truncated", lambda t: _model_run(t, "truncated"),
+         r"model\.path: cannot load .*model': damaged or truncated weights \(SafetensorError: .*header"),
+    Case("model-config-json-invalid", lambda t: _model_run(t, "invalid-json"),
+         r"model\.path: cannot load .*model': .*config\.json' is not a valid JSON file"),
+    # --- optional packages the config asks for, not installed
+    Case("engine-vllm-missing", lambda t: ["train", str(TINY), "rollout.engine=vllm", f"trainer.run_dir={t / 'run'}"],
+         r"rollout\.engine=vllm needs the package 'vllm', which is not installed: pip install 'fastcov\[vllm\]'",
+         missing=("vllm",)),
+    Case("lora-peft-missing", lambda t: ["train", str(TINY), "model.lora_rank=4", f"trainer.run_dir={t / 'run'}"],
+         r"model\.lora_rank=4 needs the package 'peft', which is not installed: pip install 'fastcov\[lora\]'",
+         missing=("peft",)),
+    Case("qlora-bitsandbytes-missing", lambda t: ["train", str(TINY), "model.lora_rank=4", "model.quantization=4bit",
+                                                  f"trainer.run_dir={t / 'run'}"],
+         r"model\.quantization=4bit needs the package 'bitsandbytes'.*fastcov\[lora\]", missing=("bitsandbytes",)),
     Case("model-path-missing", lambda t: ["train", str(TINY), "model.arch=null", f"model.path={t / 'm'}",
                                           f"trainer.run_dir={t / 'run'}"], r"model\.path: .*m' does not exist"),
     Case("model-path-not-model", lambda t: (t / "m").mkdir() or ["train", str(TINY), "model.arch=null",
@@ -292,6 +371,8 @@ def test_cli_bad_input(case, tmp_path, capsys, monkeypatch):
 
     monkeypatch.delenv("FASTCOV_DEBUG", raising=False)
     argv = case.build(tmp_path)
+    for name in case.missing:
+        monkeypatch.setitem(sys.modules, name, None)  # `import name` raises ImportError, find_spec finds nothing
     before = snapshot(tmp_path)
     capsys.readouterr()
     code = main(argv)
@@ -335,3 +416,19 @@ def test_internal_bugs_keep_their_traceback(monkeypatch):
     monkeypatch.setattr(plan, "run", broken)
     with pytest.raises(KeyError):
         main(["plan", "--model", "qwen2.5-7b", "--gpus", "1", "--tokens-per-gpu", "8"])
+
+
+def test_an_unsupported_vllm_is_one_line_before_anything_is_written(tmp_path, capsys, monkeypatch):
+    """An installed vLLM outside the supported range stops the run at its checks (pip's metadata, no import)."""
+    import importlib.metadata
+
+    from fastcov.cli import main
+    from fastcov.trainer.runtime import dependencies
+
+    monkeypatch.setattr(dependencies, "_installed", lambda module: True)
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.40.0" if name == "vllm" else "1")
+    before = snapshot(tmp_path)
+    assert main(["train", str(TINY), "rollout.engine=vllm", f"trainer.run_dir={tmp_path / 'run'}"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "vLLM 0.40.0 is installed, fastcov supports vllm>=0.26,<0.34" in lines[0], lines
+    assert snapshot(tmp_path) == before

@@ -127,8 +127,9 @@ def test_fastcov_eval_cli_reports_pass_at_k(tmp_path, capsys):
         "trainer.eval_every=0", "algo.mode=vanilla"]))
     capsys.readouterr()
     plot = tmp_path / "rel.png"
+    # --k 4 alone samples every prompt 4 times (the synthetic task's source is greedy under --greedy-sources)
     assert main(["eval", "--model", str(run / "final"), "--data", str(run / "data" / "val.parquet"), "--k", "4",
-                 "--sample-all", "--temperature", "1.0", "--max-new-tokens", "6", "--json",
+                 "--temperature", "1.0", "--max-new-tokens", "6", "--json",
                  "--reliability-plot", str(plot)]) == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     for key in ("val_pass@1", "val_pass@2", "val_pass@4", "val_mean@4", "val_distinct_2", "val_ece", "val_brier"):

@@ -186,33 +186,60 @@ def test_resume_before_the_run_directory_existed_starts_fresh(tmp_path, train_mo
                         resume=str(tmp_path / "other" / "checkpoints" / "step_000001"))
 
 
-def test_a_build_lock_is_taken_over_only_when_its_holder_is_gone(tmp_path, capsys):
-    """torch's extension builder keeps ``<op>/lock`` open while it builds; a lock nobody holds open (its builder
-    was killed) and older than a moment is removed with one line; a held or a brand-new one is left alone."""
+def test_a_build_lock_is_taken_over_at_any_age_only_when_its_holder_is_gone(tmp_path, capsys):
+    """torch's extension builder keeps ``<op>/lock`` open while it builds; every lock nobody holds open (its builder
+    was killed), planted 0, 1, 2 or 600 s ago, is removed with one line naming it; a held one is left alone."""
     import time
 
-    from fastcov.trainer.runtime.extensions import STALE_AFTER_S, take_over_stale_locks
+    from fastcov.trainer.runtime.extensions import take_over_stale_locks
 
-    orphan, held, fresh = (tmp_path / name / "lock" for name in ("orphan_op", "held_op", "fresh_op"))
-    for lock in (orphan, held, fresh):
+    ages = {"age0_op": 0, "age1_op": 1, "age2_op": 2, "age600_op": 600, "held_op": 600}
+    locks = {name: tmp_path / name / "lock" for name in ages}
+    for name, lock in locks.items():
         lock.parent.mkdir()
         lock.touch()
-    old = time.time() - 60
-    os.utime(orphan, (old, old))
-    os.utime(held, (old, old))
+        os.utime(lock, (time.time() - ages[name], time.time() - ages[name]))
+    held = locks.pop("held_op")
     holder = subprocess.Popen([sys.executable, "-c", "import os, sys, time; fd = os.open(sys.argv[1], os.O_RDONLY); "
                                "print('open', flush=True); time.sleep(60)", str(held)],
                               stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "open"
-        assert take_over_stale_locks(tmp_path, now=time.time()) == [orphan]
+        assert take_over_stale_locks(tmp_path) == sorted(locks.values())
     finally:
         holder.kill()
         holder.wait()
-    assert not orphan.exists() and held.exists() and fresh.exists()
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and f"removed the stale build lock {orphan}" in err
-    assert take_over_stale_locks(tmp_path, now=time.time() + STALE_AFTER_S + 1) == [fresh, held]  # holders gone
+    assert held.exists() and not any(lock.exists() for lock in locks.values())
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 4, lines
+    for (name, lock), line in zip(sorted(locks.items()), lines, strict=True):
+        assert f"removing the stale build lock {lock} (left {ages[name]}s ago" in line, line
+    assert take_over_stale_locks(tmp_path) == [held]  # its holder is gone now
+
+
+def test_the_take_over_line_comes_before_the_lock_goes(tmp_path, monkeypatch):
+    """A run killed while it takes a lock over has said so already: the line is written before the unlink."""
+    import io
+    import time
+
+    from fastcov.trainer.runtime import extensions
+
+    lock = tmp_path / "op" / "lock"
+    lock.parent.mkdir()
+    lock.touch()
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    monkeypatch.setattr(extensions.time, "sleep", lambda s: None)
+    said_before = []
+    real_unlink = Path.unlink
+
+    def unlink(self, *a, **k):
+        said_before.append(f"removing the stale build lock {self}" in err.getvalue())
+        return real_unlink(self, *a, **k)
+
+    monkeypatch.setattr(Path, "unlink", unlink)
+    assert extensions.take_over_stale_locks(tmp_path, now=time.time()) == [lock]
+    assert said_before == [True] and not lock.exists()
 
 
 def test_a_lock_being_released_is_left_to_its_releaser(tmp_path, monkeypatch):
@@ -239,8 +266,10 @@ def test_a_lock_being_released_is_left_to_its_releaser(tmp_path, monkeypatch):
     monkeypatch.setattr(extensions.time, "sleep", meanwhile)
     assert extensions.take_over_stale_locks(tmp_path) == [stale]
     assert looks_again == [extensions.RECHECK_AFTER_S] and retaken.exists() and not stale.exists()
+    monkeypatch.setattr(extensions.time, "sleep", looks_again.append)
+    assert extensions.take_over_stale_locks(tmp_path) == [retaken]  # its taker was never seen holding it: stale
     assert extensions.take_over_stale_locks(tmp_path) == []  # nothing looks stale: no pause either
-    assert looks_again == [extensions.RECHECK_AFTER_S]
+    assert looks_again == [extensions.RECHECK_AFTER_S] * 2
 
 
 def test_build_locks_are_found_under_torchs_default_root_without_creating_folders(tmp_path, monkeypatch):
@@ -262,6 +291,31 @@ def test_build_locks_are_found_under_torchs_default_root_without_creating_folder
     assert extensions_roots() == [tmp_path / "py311_cpu"]
     assert take_over_stale_locks() == [lock]
     assert sorted(p for p in tmp_path.rglob("*")) == [p for p in before if p != lock]
+
+
+def test_build_locks_planted_just_before_a_run_are_each_taken_over_with_one_line(tmp_path):
+    """Locks a killed builder left 0, 1, 2 and 600 s before the run starts (what a run killed during start-up a moment
+    earlier leaves), and one stamped 600 s ahead (a file server whose clock runs ahead): the run takes each over with
+    one line naming it, none stays, and it trains."""
+    import time
+
+    env = {**without_rank_environment(), "DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
+    ages = {"deepspeed_shm_comm": 0, "cpu_adam": 1, "fused_adam": 2, "transformer_inference": 600, "skewed_op": -600}
+    for op, age in ages.items():
+        lock = tmp_path / "ext" / op / "lock"
+        lock.parent.mkdir(parents=True)
+        lock.touch()
+        os.utime(lock, (time.time() - age, time.time() - age))
+    run = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "fastcov.cli", *_cli(run, "trainer.max_steps=1")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = [line for line in done.stderr.splitlines() if "stale build lock" in line]
+    assert len(said) == len(ages), done.stderr[-3000:]
+    for op in ages:
+        assert sum(f"removing the stale build lock {tmp_path / 'ext' / op / 'lock'} (left " in ln for ln in said) == 1
+    assert not list((tmp_path / "ext").glob("*/lock"))
+    assert [r["step"] for r in read_metrics(run)] == [1]
 
 
 def test_a_kill_during_start_up_never_hangs_the_next_run(tmp_path):

@@ -35,7 +35,9 @@ def stable(recs):
 
 def test_tiny_end_to_end_step(tmp_path):
     cfg = tiny(tmp_path, "run", "trainer.max_steps=2", "algo.mode=clip_cov")
+    torch.set_num_threads(3)  # the caller's own count (the run pins trainer.threads=1 while it lasts)
     run = train_mod.train(cfg)
+    assert torch.get_num_threads() == 3  # given back: a run in a caller's process leaves its thread count alone
     recs = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in recs] == [0, 1, 2]
     last = recs[-1]

@@ -60,6 +60,11 @@ def test_bad_config_is_one_line_naming_the_key(tmp_path, overrides, key):
     assert str(info.value).startswith(key + ":") and "\n" not in str(info.value)
 
 
+def test_dual_clip_is_accepted_with_gspo(tmp_path):
+    """GSPO's loss is PPO's clip of the sequence ratio, so its dual clip (TRL's delta) applies (mode gspo)."""
+    assert tiny(tmp_path, "algo.mode=gspo", "algo.dual_clip_c=3").algo.dual_clip_c == 3.0
+
+
 def _sequences(seed=0, groups=3, n=4):
     rng = random.Random(seed)
     seqs = []

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _agreement import fp32_loss_tolerance, loss_term_scale
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 pytest.importorskip("transformers")
@@ -129,7 +130,10 @@ def test_packed_sequence_modes_equal_padded(policy, mode, agg):
         results[packing, use_segments] = (float(total), {n: p.grad.clone() for n, p in policy.named_parameters()})
     loss, grads = results[False, True]
     packed_loss, packed_grads = results[True, True]
-    assert packed_loss == pytest.approx(loss, rel=1e-6, abs=1e-7)
+    mask = torch.arange(width)[None, :] < torch.tensor([len(s.response) for s in seqs])[:, None]
+    scale = loss_term_scale(torch.tensor([s.advantage for s in seqs]), ref_lp, mask)
+    # one evaluation summed in another order (VESPO's terms are |A·log π| and cancel): fp32 rounding of n terms
+    assert abs(packed_loss - loss) <= fp32_loss_tolerance(n_tok, scale, 1), (packed_loss, loss)
     for name, g in grads.items():
         torch.testing.assert_close(packed_grads[name], g, atol=1e-6, rtol=1e-5, msg=name)
     assert abs(results[True, False][0] - loss) > 1e-4  # the segments matter
