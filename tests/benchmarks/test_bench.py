@@ -241,3 +241,16 @@ def test_switch_rows_are_the_base_call_with_one_switch(switch):
     for got, want in zip(row, base, strict=True):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert switch in SWITCH_ROWS and IMPLS[f"fastcov-triton-{switch}"].needs_cuda
+
+
+def test_gpu_run_switches_preset_holds_ligers_anchor_shape():
+    """Issue 59's GPU shapes: the one-call GPU run's switch preset runs Liger's CuTe anchor shape (D 4096, V 131072,
+    16K tokens) with every switch beside the base call and Liger's entropy-returning path."""
+    from bench.kernels.presets import PRESETS
+
+    preset = PRESETS["gpu-run-switches"]
+    anchor = [g for g in preset["groups"] if (g["d"], g["v"]) == (4096, 131072)]
+    assert anchor and 16384 in anchor[0]["ns"]
+    impls = anchor[0].get("impls", preset["impls"])
+    assert {"fastcov-triton", "liger-entropy"} <= set(impls)
+    assert {f"fastcov-triton-{s}" for s in ("sum-p2", "temperature", "softcap")} <= set(impls)
