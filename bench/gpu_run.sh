@@ -11,7 +11,7 @@
 #    Rows are appended and fsynced as each measurement finishes; a part not reached says so.
 # Under OUT (at most 8 files): run.log, run.jsonl, run.md, kernels.jsonl, kernels.md.
 #
-# Options: --rehearse, --budget SECONDS (default 420; rehearsal 170), --out DIR (default $OUT, else runs/gpu-run),
+# Options: --rehearse, --budget SECONDS (default 450; rehearsal 170), --out DIR (default $OUT, else runs/gpu-run),
 # --wheels DIR (default .whl), --parts A,B,... (default all), --python PY (default python3); anything else goes
 # to bench.gpu_suite (--cap PART=S, --steps N, and in the rehearsal --fault PART=crash|hang).
 set -uo pipefail
@@ -32,7 +32,7 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-[ -n "$BUDGET" ] || BUDGET=$([ $REHEARSE = 1 ] && echo 170 || echo 420)
+[ -n "$BUDGET" ] || BUDGET=$([ $REHEARSE = 1 ] && echo 170 || echo 450)
 OUTDIR="${OUTDIR:-runs/gpu-run}"
 mkdir -p "$OUTDIR" || { echo "gpu_run: cannot create the output folder $OUTDIR"; exit 2; }
 OUTDIR=$(cd "$OUTDIR" && pwd)

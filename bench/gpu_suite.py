@@ -13,10 +13,13 @@ table is printed last.
 
   correctness  ``bench/correctness_gpu.py``'s cases (bf16 vs float64, forward and backward) at the Qwen2.5-7B
                and -32B heads: fastcov's Triton path with the naive bf16 path beside it
-  kernels      ``python -m bench.kernels --preset gpu-run`` twice in subprocesses: fastcov's Triton path and
-               naive first, then the peers (compiled naive, Liger, CCE, verl), each beside the same-run cuBLAS
-               floor; the configs the autotuner picked beside the compile report's predictions. The part
-               fails when any fastcov row is not ok (unavailable included)
+  kernels      ``python -m bench.kernels`` in subprocesses: ``--preset gpu-run`` with fastcov's Triton path and
+               naive first; then ``--preset gpu-run-switches``: Σπ², the per-token temperature and the soft cap
+               beside the base call at the 7B head and at Liger's CuTe anchor shape (D 4096, V 131072, N 16384,
+               with liger-entropy); then ``gpu-run`` with the peers (compiled naive, Liger, CCE, verl), each
+               beside the same-run cuBLAS floor; the configs the autotuner picked beside the compile report's
+               predictions.
+               The part fails when any fastcov row is not ok (unavailable included)
   train        the project's trainer (GRPO + KL-Cov, ZeRO-3, HF rollouts, the built-in synthetic task) for
                ``--steps`` steps (the first one counted as warm-up) in a subprocess that writes each step's
                row as it is logged: seconds per step part, rollout and update tokens/s, peak GPU memory beside
@@ -72,7 +75,7 @@ GIB = 2**30
 # Seconds each part may take (its subprocesses are stopped there), per size; the run's --budget bounds them all.
 # "extra" starts only when its whole cap is left ("only if time remains").
 PART_CAPS = {
-    "full": {"correctness": 50, "kernels": 160, "train": 100, "pytest": 45, "extra": 120, "vllm": 400,
+    "full": {"correctness": 50, "kernels": 200, "train": 100, "pytest": 45, "extra": 120, "vllm": 400,
              "trainer": 420},
     "smoke": {"correctness": 120, "kernels": 300, "train": 300, "pytest": 300, "extra": 300, "vllm": 300,
               "trainer": 300},
@@ -81,7 +84,8 @@ PART_CAPS = {
 }
 NEEDS_WHOLE_CAP = ("extra",)
 # the files `pytest -m gpu` runs (the GPU-marked tests; collecting all of tests/ costs ~20 s)
-GPU_TEST_FILES = ("tests/kernels/test_linear_logprob_entropy.py", "tests/library/test_selection.py")
+GPU_TEST_FILES = ("tests/kernels/test_linear_logprob_entropy.py", "tests/kernels/test_head_switches.py",
+                  "tests/library/test_selection.py")
 COMMIT_ENV = "FASTCOV_COMMIT"  # the commit id when the tree travels without .git
 # (module, distribution) whose versions the environment record holds; null where not installed
 PACKAGES = (("triton", "triton"), ("transformers", "transformers"), ("deepspeed", "deepspeed"),
@@ -106,6 +110,7 @@ CORRECTNESS = {
 # bench.kernels per size: (name, preset, extra options), in order
 KERNEL_RUNS = {
     "full": [("fastcov", "gpu-run", ["--impls", "fastcov-triton", "naive"]),
+             ("switches", "gpu-run-switches", []),
              ("peers", "gpu-run", ["--impls", "naive", "naive-compile", "liger", "cce", "verl"])],
     "smoke": [("smoke", "smoke", [])],
     "rehearse": [("fastcov", "rehearse", ["--impls", "fastcov-triton", "naive", "--isolate", "never"]),

@@ -25,6 +25,8 @@ Peers are used through their public entry points only; nothing of theirs is copi
                  temperature, "none") -> (logprob, entropy). ``import verl`` pulls in ray and more, so
                  verl/utils/kernel/{kernels,linear_cross_entropy}.py are loaded by file path under a
                  private package name, with a stub ``verl.utils.device`` present only while they load.
+  fastcov-{triton,torch}-{sum-p2,temperature,softcap}  the base call with one switch of issue 59 (``SWITCH_ROWS``):
+                 Σπ² (the κ kernel variant), a per-token temperature tensor, the soft cap's tanh.
   cce-torch-compile  cut_cross_entropy.linear_cross_entropy(..., impl="torch_compile"): CCE's torch.compile
                  path, the one peer that runs on CPU; fastcov-torch-logprob is the twin asked for the same
                  (log-probs only), so the pair compares like with like.
@@ -122,7 +124,13 @@ def _probe_fastcov(impl: str) -> Callable[[torch.device], str | None]:
     return probe
 
 
-def _load_fastcov(impl: str) -> Callable[[torch.device], Fn]:
+# fastcov's switches as benchmark rows (issue 59), each the base call plus one switch. Chosen so that the rows'
+# float64 check against the plain reference still holds: the per-token temperature is a tensor of the scalar T,
+# and the soft cap 1e4 runs the cap's tanh on every logit while moving logits of |z| ≤ 20 by < 3e-5.
+SWITCH_ROWS = {"sum-p2": {"sum_p2": True}, "temperature": {"temperature": "per_token"}, "softcap": {"softcap": 1e4}}
+
+
+def _load_fastcov(impl: str, switch: str | None = None) -> Callable[[torch.device], Fn]:
     def load(device: torch.device) -> Fn:
         reason = _probe_fastcov(impl)(device)
         if reason:
@@ -131,9 +139,14 @@ def _load_fastcov(impl: str) -> Callable[[torch.device], Fn]:
             from fastcov import linear_logprob_entropy
         except ImportError as exc:
             raise Unavailable(f"fastcov.linear_logprob_entropy not importable: {exc}") from exc
+        extra = dict(SWITCH_ROWS[switch]) if switch else {}
 
         def fn(hidden, weight, labels, temperature):
-            out = linear_logprob_entropy(hidden, weight, labels, temperature=temperature, entropy=True, impl=impl)
+            kw = dict(extra)
+            if kw.pop("temperature", None) == "per_token":
+                temperature = torch.full(labels.shape, float(temperature), device=labels.device)
+            out = linear_logprob_entropy(hidden, weight, labels, temperature=temperature, entropy=True, impl=impl,
+                                         **kw)
             return out.logprob, out.entropy
 
         return fn
@@ -337,5 +350,10 @@ IMPLS: dict[str, Impl] = {
     "verl": Impl("verl", "verl utils/kernel linear_cross_entropy (logprob + entropy)", True,
                  _probe_peer("verl", "verl"), _load_verl),
 }
+for _impl in ("triton", "torch"):
+    for _switch, _kw in SWITCH_ROWS.items():
+        _name = f"fastcov-{_impl}-{_switch}"
+        IMPLS[_name] = Impl(_name, f'fastcov.linear_logprob_entropy(impl="{_impl}", {_switch})', True,
+                            _probe_fastcov(_impl), _load_fastcov(_impl, _switch), needs_cuda=_impl == "triton")
 
 DEFAULT_IMPLS = ["naive", "fastcov-triton", "fastcov-torch", "liger", "liger-entropy", "cce", "verl"]

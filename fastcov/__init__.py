@@ -31,7 +31,7 @@ from fastcov.losses import (
     policy_loss,
 )
 from fastcov.losses import register as register_policy_loss
-from fastcov.ops import LogprobEntropy, linear_logprob_entropy, logprob_entropy_from_logits
+from fastcov.ops import LogprobEntropy, VocabParallel, linear_logprob_entropy, logprob_entropy_from_logits
 from fastcov.schedules import PositiveWeightSchedule
 from fastcov.selection import select_random_in_band, select_top_covariance
 
@@ -42,6 +42,7 @@ __version__ = "0.4.0"
 
 __all__ = [
     "LogprobEntropy",
+    "VocabParallel",
     "linear_logprob_entropy",
     "logprob_entropy_from_logits",
     "LossConfig",

@@ -20,6 +20,17 @@ PRIME (Cui et al. 2025, "Process Reinforcement through Implicit Rewards")::
                     b_i = mean over the other samples j of the group of (mean_t p^j_t)   (leave-one-out)
     A_t = whiten(G_t) over the batch's response tokens
 
+Optimal Token Baseline (OTB; verl 0.9.1's ``optimal_token_baseline``, Li 2025, "The Optimal Token Baseline")::
+
+    w_t = 1 − 2·π_t + Σ_a π_t(a)²  (= ‖e_y − π_t‖², the logit-gradient proxy; × ρ_t² with rollout weights ρ)
+    W_t = Σ_{s ≤ t} w_s            (the realized energy up to t)
+    G_t = Σ_{s ≥ t} r_s            (returns)
+    B_t = Σ_i G^i_t·W^i_t / (Σ_i W^i_t + eps)    over the sequences i of the group still running at t
+    A_t = G_t − B_t                 (B = 0 for a group of one)
+
+π_t is the sampled token's probability under the policy that scored the rollout (the old log-probs) and Σπ² its
+distribution's mass on the mode, both from one fused pass: ``linear_logprob_entropy(..., sum_p2=True)``.
+
 ``whiten_stats`` / ``whiten`` split the normalisation so that data-parallel ranks can sum the three
 statistics (Σx, Σx², count) before normalising.
 """
@@ -28,9 +39,12 @@ from __future__ import annotations
 
 import torch
 
+from fastcov.advantages import group_index
+
 __all__ = [
     "kl_penalty",
     "leave_one_out",
+    "optimal_token_baseline",
     "prime_ce_loss",
     "prime_returns",
     "reinforce_pp_returns",
@@ -144,3 +158,60 @@ def prime_ce_loss(rm_logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Ten
     score = beta * ((rm_logp - ref_logp.detach()) * m).sum(-1)
     loss = torch.nn.functional.binary_cross_entropy_with_logits(score, labels.to(score.dtype))
     return loss, score.detach()
+
+
+def optimal_token_baseline(token_rewards: torch.Tensor, mask: torch.Tensor, groups, old_logprob: torch.Tensor,
+                           sum_p2: torch.Tensor, weights: torch.Tensor | None = None, *,
+                           handle_zero_tail: bool = False, eps: float = 1e-8) -> tuple[torch.Tensor, torch.Tensor]:
+    """OTB's per-token advantages and returns (see the module docstring): verl 0.9.1's
+    ``compute_optimal_token_baseline_advantage`` as a function of tensors, vectorised over the groups.
+
+    Args:
+        token_rewards: float [B, T], the reward of each response token (an outcome reward at the last one).
+        mask: bool or 0/1 [B, T], the response tokens (each row's a prefix).
+        groups: int n (contiguous groups of n rows) or integer ids [B] (``fastcov.advantages.group_index``).
+        old_logprob: float [B, T], log π of each sampled token (its probability π_t = exp of it).
+        sum_p2: float [B, T], Σ_a π(a)² of each token's distribution (``linear_logprob_entropy(sum_p2=True)``).
+        weights: optional float [B, T] rollout importance weights ρ; w_t is scaled by ρ_t² (verl's
+            ``rollout_is_weights``).
+        handle_zero_tail: zero the baseline of a group's longest sequence past the second longest's length, when
+            one sequence alone is the longest (verl's option; its TIR variant turns it on).
+        eps: added to the group's Σ W (verl's ``epsilon``).
+
+    Returns:
+        (advantages, returns): float32 [B, T] each; advantages are 0 outside the mask, returns as verl's
+        (reward-to-go of the masked rewards).
+    """
+    m = _mask(mask, token_rewards)
+    for name, t in (("old_logprob", old_logprob), ("sum_p2", sum_p2)) + ((("weights", weights),) if weights is not None
+                                                                         else ()):
+        if t.shape != token_rewards.shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(token_rewards.shape)}")
+    rows, width = token_rewards.shape
+    index, num_groups = group_index(groups, rows, token_rewards.device)
+    f64 = torch.float64
+    valid = m.to(f64)
+    returns = (token_rewards.to(f64) * valid).flip(-1).cumsum(-1).flip(-1)
+    w = 1.0 - 2.0 * old_logprob.to(f64).exp() + sum_p2.to(f64)
+    if weights is not None:
+        w = w * weights.to(f64) ** 2
+    energy = (w * valid).cumsum(-1)
+    num = torch.zeros((num_groups, width), dtype=f64, device=returns.device)
+    den = torch.zeros_like(num)
+    num.index_add_(0, index, returns * energy * valid)
+    den.index_add_(0, index, energy * valid)
+    size = torch.bincount(index, minlength=num_groups)
+    baseline = torch.where((size > 1)[index, None], (num / (den + eps))[index], 0.0)
+    if handle_zero_tail:
+        lengths = m.sum(-1)
+        longest = torch.zeros(num_groups, dtype=lengths.dtype, device=lengths.device).scatter_reduce(
+            0, index, lengths, reduce="amax")
+        at_longest = lengths == longest[index]
+        n_longest = torch.bincount(index, weights=at_longest.to(f64), minlength=num_groups)
+        shorter = torch.where(at_longest, torch.zeros_like(lengths), lengths)
+        second = torch.zeros_like(longest).scatter_reduce(0, index, shorter, reduce="amax")
+        alone = at_longest & (n_longest[index] == 1) & (size[index] > 1)
+        tail = alone[:, None] & (torch.arange(width, device=m.device)[None, :] >= second[index, None])
+        baseline = torch.where(tail, 0.0, baseline)
+    advantages = (returns - baseline) * valid
+    return advantages.to(torch.float32), returns.to(torch.float32)

@@ -5,7 +5,7 @@ A partial covers some vocabulary columns of each row and holds, relative to its 
     s = Σ e^{z−m},  u = Σ e^{z−m}(z−m),  s2 = Σ e^{2(z−m)},  u2 = Σ e^{2(z−m)}(z−m),  zy = z of the label
 
 (zy = −inf when the label is not among its columns). Partials over disjoint columns combine exactly;
-``finalize`` turns the combined sums into log Z, log p(y), entropy and the vocabulary covariance κ.
+``finalize`` turns the combined sums into log Z, log p(y), entropy, the vocabulary covariance κ and Σπ².
 """
 
 from __future__ import annotations
@@ -41,11 +41,13 @@ def combine_partials(partials: torch.Tensor) -> torch.Tensor:
     )
 
 
-def finalize(stats: torch.Tensor, valid: torch.Tensor, vocab_size: int, want_cov: bool):
-    """Turn combined stats [6, N] into (logsumexp, logprob, entropy, vocab_cov or None), each [N] fp32.
+def finalize(stats: torch.Tensor, valid: torch.Tensor, vocab_size: int, want_cov: bool, want_sum_p2: bool = False):
+    """Turn combined stats [6, N] into (logsumexp, logprob, entropy, vocab_cov or None, sum_p2 or None), each [N]
+    fp32.
 
-    valid: [N] bool, False for ignore_index rows, which get logprob = entropy = κ = 0.
-    Rounding is clamped so that logprob ≤ 0 and 0 ≤ entropy ≤ log V hold for finite inputs.
+    valid: [N] bool, False for ignore_index rows, which get logprob = entropy = κ = Σπ² = 0.
+    Rounding is clamped so that logprob ≤ 0, 0 ≤ entropy ≤ log V and 1/V ≤ Σπ² ≤ 1 hold for finite inputs.
+    Σπ² = s2/s² needs only s2 (κ needs u2 too).
     """
     m, s, u, s2, u2, zy = stats.unbind(0)
     log_s = torch.log(s)
@@ -53,15 +55,18 @@ def finalize(stats: torch.Tensor, valid: torch.Tensor, vocab_size: int, want_cov
     zero = torch.zeros_like(logsumexp)
     logprob = torch.where(valid, (zy - logsumexp).clamp(max=0.0), zero)
     entropy = torch.where(valid, (log_s - u / s).clamp(min=0.0, max=math.log(vocab_size)), zero)
-    vocab_cov = None
-    if want_cov:
+    vocab_cov = sum_p2 = None
+    if want_cov or want_sum_p2:
         inv_s2 = 1.0 / (s * s)
-        sum_p2 = s2 * inv_s2
-        sum_p2_logp = (u2 - s2 * log_s) * inv_s2
-        p_y = torch.exp(logprob)
-        kappa = p_y * (logprob + entropy) - (sum_p2_logp + entropy * sum_p2)
-        vocab_cov = torch.where(valid, kappa, zero)
-    return logsumexp, logprob, entropy, vocab_cov
+        p2 = s2 * inv_s2
+        if want_sum_p2:
+            sum_p2 = torch.where(valid, p2.clamp(min=1.0 / vocab_size, max=1.0), zero)
+        if want_cov:
+            sum_p2_logp = (u2 - s2 * log_s) * inv_s2
+            p_y = torch.exp(logprob)
+            kappa = p_y * (logprob + entropy) - (sum_p2_logp + entropy * p2)
+            vocab_cov = torch.where(valid, kappa, zero)
+    return logsumexp, logprob, entropy, vocab_cov, sum_p2
 
 
 def dz_from_upstream(z, logsumexp, entropy, labels_local, g, e, with_entropy: bool = True):

@@ -76,9 +76,10 @@ def _space(space_of) -> Callable[[str, dict, int], list]:
     """Launches from a kernel module's config space function (the one its autotuner prunes with)."""
     def launches(dtype: str, switch: dict, arch: int) -> list:
         if "TOPK" in switch:
-            space = space_of(dtype, switch["TOPK"], switch["HAS_BIAS"], switch["COV"], arch)
+            space = space_of(dtype, switch["TOPK"], switch["HAS_BIAS"], switch["COV"], arch,
+                             softcap=switch.get("SOFTCAP", False))
         else:
-            space = space_of(dtype, arch=arch)
+            space = space_of(dtype, arch=arch, softcap=switch.get("SOFTCAP", False))
         return [Launch({"BLOCK_N": bn, "BLOCK_V": bv, "BLOCK_D": bd}, w, st, _lle.MAXNREG)
                 for bn, bv, bd, w, st in space]
     return launches
@@ -90,15 +91,17 @@ def _switch_grid(**axes) -> tuple:
 
 
 def _forward_switches() -> tuple:
+    """Every switch combination (COV also serves Σπ² alone: the kernel's s2 comes with it)."""
     out = []
-    for bias, cov, topk in itertools.product((False, True), (False, True), (0, 5)):
-        out.append({"HAS_BIAS": bias, "COV": cov, "TOPK": topk, "TOPK_PAD": 8 if topk else 1})
+    for softcap, bias, cov, topk in itertools.product((False, True), (False, True), (False, True), (0, 5)):
+        out.append({"HAS_BIAS": bias, "COV": cov, "TOPK": topk, "TOPK_PAD": 8 if topk else 1, "SOFTCAP": softcap})
     return tuple(out)
 
 
-_INPUTS = (("h_ptr", "*{dt}"), ("w_ptr", "*{dt}"), ("b_ptr", "*{dt}"), ("y_ptr", "*i64"))
+# t_ptr: each row's 1/T (fp32 [N]); a scalar temperature arrives as N equal values
+_INPUTS = (("h_ptr", "*{dt}"), ("w_ptr", "*{dt}"), ("b_ptr", "*{dt}"), ("y_ptr", "*i64"), ("t_ptr", "*fp32"))
 _SHAPE = (("stride_hn", "i32"), ("stride_hd", "i32"), ("stride_wv", "i32"), ("stride_wd", "i32"),
-          ("inv_temp", "fp32"))
+          ("softcap", "fp32"))
 _TILES = (("GROUP_N", "constexpr"), ("BLOCK_N", "constexpr"), ("BLOCK_V", "constexpr"), ("BLOCK_D", "constexpr"))
 
 
@@ -112,7 +115,7 @@ KERNELS: tuple[KernelRow, ...] = (
         params=_INPUTS + (("part_ptr", "*fp32"), ("topv_ptr", "*fp32"), ("topi_ptr", "*i32"),
                           ("N", "i32"), ("V", "i32"), ("D", "i32"), ("SPLITS", "i32"), ("N_BUCKET", "i32"))
         + _SHAPE + (("HAS_BIAS", "constexpr"), ("COV", "constexpr"), ("TOPK", "constexpr"),
-                    ("TOPK_PAD", "constexpr"), ("PRECISION", "constexpr")) + _TILES,
+                    ("TOPK_PAD", "constexpr"), ("SOFTCAP", "constexpr"), ("PRECISION", "constexpr")) + _TILES,
         dtypes=("bfloat16", "float16", "float32"), switches=_forward_switches(),
         launches=_space(_lle.forward_space), fixed={"GROUP_N": _lle.GROUP_N},
         ones=("stride_hd", "stride_wd"), aligned=("D", "stride_hn", "stride_wv"),
@@ -122,8 +125,8 @@ KERNELS: tuple[KernelRow, ...] = (
         name="linear_logprob_entropy._dz_kernel", fn=_lle._dz_kernel,
         params=_INPUTS + (("lse_ptr", "*fp32"), ("ent_ptr", "*fp32"), ("g_ptr", "*fp32"), ("e_ptr", "*fp32"),
                           ("dz_ptr", "*{dt}"), ("N", "i32"), ("V", "i32"), ("D", "i32"), ("N_BUCKET", "i32"))
-        + _SHAPE + (("HAS_BIAS", "constexpr"), ("PRECISION", "constexpr")) + _TILES,
-        dtypes=("bfloat16", "float16", "float32"), switches=_switch_grid(HAS_BIAS=(False, True)),
+        + _SHAPE + (("HAS_BIAS", "constexpr"), ("SOFTCAP", "constexpr"), ("PRECISION", "constexpr")) + _TILES,
+        dtypes=("bfloat16", "float16", "float32"), switches=_switch_grid(SOFTCAP=(False, True), HAS_BIAS=(False, True)),
         launches=_space(_lle.dz_space), fixed={"GROUP_N": _lle.GROUP_N},
         ones=("stride_hd", "stride_wd"), aligned=("D", "stride_hn", "stride_wv"),
         dtype_constexprs=_precision,

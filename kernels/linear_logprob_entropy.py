@@ -52,11 +52,23 @@ def _grouped_program(pid, n_blocks_a, n_blocks_b, GROUP: tl.constexpr):
 
 
 @triton.jit
+def _softcap(x, softcap):
+    """cap·tanh(x/cap) from one exp (Triton's interpreter has no libdevice tanh): tanh(a) = sign(a)·(1 − e)/(1 + e)
+    with e = exp(−2|a|), which is 0 for large |a| (never inf). The quotient is the approximate one (div.full,
+    2 ulp): IEEE division is a slow-path call that ptxas keeps the whole tile live across (the dZ kernel spilled
+    kilobytes with it)."""
+    e = tl.exp(tl.abs(x) * (-2.0 / softcap))
+    t = tl.fdiv(1.0 - e, 1.0 + e)
+    return tl.where(x < 0, -t, t) * softcap
+
+
+@triton.jit
 def _logits_tile(h_base, w_base, b_base, offs_n, offs_v, n_left, v_left, D, stride_hn, stride_hd,
-                 stride_wv, stride_wd, inv_temp,
-                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+                 stride_wv, stride_wd, softcap,
+                 HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
                  BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
-    """fp32 tempered logits of a [BLOCK_N, BLOCK_V] tile; rows/columns past the ends hold finite garbage.
+    """fp32 logits before the temperature, c = W·h + b (cap·tanh(c/cap) with SOFTCAP), of a [BLOCK_N, BLOCK_V]
+    tile; rows/columns past the ends hold finite garbage. The caller multiplies by each row's 1/T.
 
     ``h_base``/``w_base``/``b_base`` are 64-bit pointers to the tile's first row and column (the caller
     forms them with int64 arithmetic once per tile); inside the tile every offset is int32, so no
@@ -76,14 +88,17 @@ def _logits_tile(h_base, w_base, b_base, offs_n, offs_v, n_left, v_left, D, stri
         w_base += BLOCK_D * stride_wd
     if HAS_BIAS:
         acc += tl.load(b_base + offs_v, mask=offs_v < v_left, other=0.0).to(tl.float32)[None, :]
-    return acc * inv_temp
+    if SOFTCAP:
+        acc = _softcap(acc, softcap)
+    return acc
 
 
 @triton.jit
 def _label_logits(h_base, w_ptr, b_ptr, labels, offs_n, n_left, D, stride_hn, stride_hd, stride_wv, stride_wd,
-                  inv_temp, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """fp32 tempered logit of each row's label, (h·W[y] + b[y])/T: [BLOCK_N], a row-wise dot over D of h and
-    the gathered rows W[y] (garbage where the label is out of range: the caller masks it). Run after the
+                  inv_t, softcap, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_D: tl.constexpr):
+    """fp32 tempered logit of each row's label, cap·tanh((h·W[y] + b[y])/cap)/T: [BLOCK_N], a row-wise dot over D
+    of h and the gathered rows W[y] (garbage where the label is out of range: the caller masks it). Run after the
     vocabulary loop, so neither its pointer tiles nor the labels are live beside the logits tile."""
     offs_d = tl.arange(0, BLOCK_D)
     y = tl.maximum(labels, 0).to(tl.int64)
@@ -99,7 +114,9 @@ def _label_logits(h_base, w_ptr, b_ptr, labels, offs_n, n_left, D, stride_hn, st
         w_rows += BLOCK_D * stride_wd
     if HAS_BIAS:
         acc += tl.load(b_ptr + y).to(tl.float32)
-    return acc * inv_temp
+    if SOFTCAP:
+        acc = _softcap(acc, softcap)
+    return acc * inv_t
 
 
 @triton.jit
@@ -153,10 +170,10 @@ def _insert_topk(zc, m_ref, v0, top_v, top_i, TOPK: tl.constexpr, TOPK_PAD: tl.c
 
 
 @triton.jit
-def _forward_kernel(h_ptr, w_ptr, b_ptr, y_ptr, part_ptr, topv_ptr, topi_ptr,
-                    N, V, D, SPLITS, N_BUCKET, stride_hn, stride_hd, stride_wv, stride_wd, inv_temp,
+def _forward_kernel(h_ptr, w_ptr, b_ptr, y_ptr, t_ptr, part_ptr, topv_ptr, topi_ptr,
+                    N, V, D, SPLITS, N_BUCKET, stride_hn, stride_hd, stride_wv, stride_wd, softcap,
                     HAS_BIAS: tl.constexpr, COV: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
-                    PRECISION: tl.constexpr, GROUP_N: tl.constexpr,
+                    SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, GROUP_N: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr):
     pid_n, pid_s = _grouped_program(tl.program_id(0), tl.cdiv(N, BLOCK_N), SPLITS, GROUP_N)
     row0 = pid_n * BLOCK_N
@@ -165,6 +182,8 @@ def _forward_kernel(h_ptr, w_ptr, b_ptr, y_ptr, part_ptr, topv_ptr, topi_ptr,
     n_left = N - row0
     row_mask = offs_n < n_left
     h_base = h_ptr + row0.to(tl.int64) * stride_hn
+    # each row's 1/T (fp32 [N]; a scalar temperature arrives as N equal values), rows past N re-read the last
+    inv_t = tl.load(t_ptr + row0.to(tl.int64) + tl.minimum(offs_n, n_left - 1))
 
     neg_inf = float("-inf")
     m = tl.full((BLOCK_N,), neg_inf, tl.float32)
@@ -183,9 +202,9 @@ def _forward_kernel(h_ptr, w_ptr, b_ptr, y_ptr, part_ptr, topv_ptr, topi_ptr,
         v0 = (pid_s * tiles_per_split + t) * BLOCK_V
         v_left = V - v0
         z = _logits_tile(h_base, w_ptr + v0.to(tl.int64) * stride_wv, b_ptr + v0.to(tl.int64), offs_n, offs_v,
-                         n_left, v_left, D, stride_hn, stride_hd, stride_wv, stride_wd, inv_temp,
-                         HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION)
-        z = tl.where((offs_v < v_left)[None, :], z, neg_inf)
+                         n_left, v_left, D, stride_hn, stride_hd, stride_wv, stride_wd, softcap,
+                         HAS_BIAS, SOFTCAP, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION)
+        z = tl.where((offs_v < v_left)[None, :], z * inv_t[:, None], neg_inf)
         m_new = tl.maximum(m, tl.max(z, axis=1))
         m_ref = tl.where(m_new == neg_inf, 0.0, m_new)  # a split past V sees no column at all
         scale = tl.exp(m - m_ref)
@@ -205,7 +224,7 @@ def _forward_kernel(h_ptr, w_ptr, b_ptr, y_ptr, part_ptr, topv_ptr, topi_ptr,
     # split 0 reports it, the others −inf, so that combining the partials keeps it once
     labels = tl.load(y_ptr + row0.to(tl.int64) + offs_n, mask=row_mask, other=-1).to(tl.int32)
     zy = _label_logits(h_base, w_ptr, b_ptr, labels, offs_n, n_left, D, stride_hn, stride_hd, stride_wv, stride_wd,
-                       inv_temp, HAS_BIAS, BLOCK_N, BLOCK_D)
+                       inv_t, softcap, HAS_BIAS, SOFTCAP, BLOCK_N, BLOCK_D)
     zy = tl.where((labels >= 0) & (labels < V) & (pid_s == 0), zy, neg_inf)
     base = part_ptr + pid_s.to(tl.int64) * N + row0
     stride_stat = (pid_s * 0 + SPLITS).to(tl.int64) * N  # SPLITS may arrive as the constant 1
@@ -224,11 +243,12 @@ def _forward_kernel(h_ptr, w_ptr, b_ptr, y_ptr, part_ptr, topv_ptr, topi_ptr,
 
 
 @triton.jit
-def _dz_kernel(h_ptr, w_ptr, b_ptr, y_ptr, lse_ptr, ent_ptr, g_ptr, e_ptr, dz_ptr,
-               N, V, D, N_BUCKET, stride_hn, stride_hd, stride_wv, stride_wd, inv_temp,
-               HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, GROUP_N: tl.constexpr,
+def _dz_kernel(h_ptr, w_ptr, b_ptr, y_ptr, t_ptr, lse_ptr, ent_ptr, g_ptr, e_ptr, dz_ptr,
+               N, V, D, N_BUCKET, stride_hn, stride_hd, stride_wv, stride_wd, softcap,
+               HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, GROUP_N: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr):
-    """dZ [N, V] (row stride V, input dtype) of a chunk of N tokens: each program one tile, no atomics."""
+    """dZ [N, V] (row stride V, input dtype) of a chunk of N tokens: each program one tile, no atomics. dZ is the
+    gradient w.r.t. W·h + b: dz/T, times 1 − tanh² of the cap with SOFTCAP."""
     pid_n, pid_v = _grouped_program(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(V, BLOCK_V), GROUP_N)
     row0 = pid_n * BLOCK_N
     v0 = pid_v * BLOCK_V
@@ -238,19 +258,25 @@ def _dz_kernel(h_ptr, w_ptr, b_ptr, y_ptr, lse_ptr, ent_ptr, g_ptr, e_ptr, dz_pt
     v_left = V - v0
     row_mask = offs_n < n_left
     rows = row0.to(tl.int64) + offs_n
-    z = _logits_tile(h_ptr + row0.to(tl.int64) * stride_hn, w_ptr + v0.to(tl.int64) * stride_wv,
+    c = _logits_tile(h_ptr + row0.to(tl.int64) * stride_hn, w_ptr + v0.to(tl.int64) * stride_wv,
                      b_ptr + v0.to(tl.int64), offs_n, offs_v, n_left, v_left, D, stride_hn, stride_hd,
-                     stride_wv, stride_wd, inv_temp, HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION)
+                     stride_wv, stride_wd, softcap, HAS_BIAS, SOFTCAP, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION)
     # the row vectors are read after the matmul, so they are not live across the D loop
     labels = tl.load(y_ptr + rows, mask=row_mask, other=-1).to(tl.int32) - v0
+    inv_t = tl.load(t_ptr + rows, mask=row_mask, other=1.0)
     lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
     ent = tl.load(ent_ptr + rows, mask=row_mask, other=0.0)
     g = tl.load(g_ptr + rows, mask=row_mask, other=0.0)
     e = tl.load(e_ptr + rows, mask=row_mask, other=0.0)
-    logp = z - lse[:, None]
+    logp = c * inv_t[:, None] - lse[:, None]
     dz = -(g[:, None] + e[:, None] * (logp + ent[:, None])) * tl.exp(logp)
     dz += tl.where(offs_v[None, :] == labels[:, None], g[:, None], 0.0)
-    dz = dz * inv_temp
+    dz = dz * inv_t[:, None]
+    if SOFTCAP:
+        # the cap's derivative 1 − tanh², tanh = c/cap = (log p + log Z)·T/cap: from log p, which is live here
+        # anyway, not from c (keeping c until now made a third live tile, which spilled)
+        t = (logp + lse[:, None]) * (1.0 / (softcap * inv_t))[:, None]
+        dz = dz * (1.0 - t * t)
     dz_base = dz_ptr + row0.to(tl.int64) * V + v0
     tl.store(dz_base + offs_n[:, None] * V + offs_v[None, :], dz.to(dz_ptr.dtype.element_ty),
              mask=row_mask[:, None] & (offs_v < v_left)[None, :])
@@ -267,6 +293,9 @@ _FWD_MEDIUM = ((64, 128, 64, 8, 3), (64, 128, 32, 8, 4), (128, 64, 64, 8, 3), (1
 _FP32 = ((64, 64, 32, 8, 3), (64, 64, 32, 8, 4), (32, 64, 32, 4, 3), (32, 64, 32, 4, 4))
 _DZ = ((256, 128, 64, 8, 3), (128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4),
        (128, 128, 32, 8, 4))
+# with the soft cap the dZ epilogue keeps a third tile live (tanh beside log p and dz): 256×128 spilled kilobytes and
+# 128×128 with 4 warps 32–188 B, so the cap takes the tiles that stay spill-free with it
+_DZ_SOFTCAP = ((128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (64, 128, 64, 4, 4), (128, 64, 64, 8, 3))
 
 
 # Every config allows all 255 registers: without the explicit .maxnreg, ptxas for sm_100a caps some of
@@ -279,25 +308,32 @@ def _as_configs(space):
                           maxnreg=MAXNREG) for bn, bv, bd, w, st in space]
 
 
-def forward_space(dtype: str, topk: int = 0, bias: bool = False, cov: bool = False, arch: int = 90) -> tuple:
+def forward_space(dtype: str, topk: int = 0, bias: bool = False, cov: bool = False, arch: int = 90,
+                  softcap: bool = False) -> tuple:
     """The forward's configs for an input dtype name, switches and compute capability (``arch``: 80, 90,
     100). On sm_90a/sm_100a the 256×128 tile is spill-free for log-prob and entropy alone (it spills with
-    the covariance sums or the top-k), and the 128×128 tile unless both of those are on (sm_100a); sm_80's
-    mma path has fewer registers to spare (256×128 spills there, and 128×128 with a bias and the top-k)."""
+    the covariance sums or the top-k, and on sm_90a with a bias and the soft cap: 8 B), and the 128×128 tile
+    unless both of those are on (sm_100a) or the top-k meets a bias and the soft cap (sm_100a: 20 B); sm_80's mma
+    path has fewer registers to spare (256×128 spills there, and 128×128 with the top-k: 4 B since each row's 1/T
+    is a vector)."""
     if dtype == "float32":
         return _FP32
     space: tuple[tuple[int, int, int, int, int], ...] = _FWD_MEDIUM
-    if not (cov and topk) and not (arch < 90 and topk and bias):
+    large = (not (cov and topk) and not (arch < 90 and topk)
+             and not (arch >= 100 and topk and bias and softcap))
+    if large:
         space = _FWD_LARGE + space
-    if not cov and not topk and arch >= 90:
+    if not cov and not topk and arch >= 90 and not (arch < 100 and bias and softcap):
         space = _FWD_WIDE + space
     return space
 
 
-def dz_space(dtype: str, arch: int = 90) -> tuple:
-    """The dZ kernel's configs for an input dtype name: spill-free on every arch (``arch`` is taken so that
-    the compile table calls every space alike)."""
-    return _FP32 if dtype == "float32" else _DZ
+def dz_space(dtype: str, arch: int = 90, softcap: bool = False) -> tuple:
+    """The dZ kernel's configs for an input dtype name and the soft cap: spill-free on every arch (``arch`` is
+    taken so that the compile table calls every space alike)."""
+    if dtype == "float32":
+        return _FP32
+    return _DZ_SOFTCAP if softcap else _DZ
 
 
 def _dtype_name(named_args) -> str:
@@ -315,12 +351,12 @@ def _arch(named_args) -> int:
 
 def _prune_forward(configs, named_args, **kwargs):
     keep = set(forward_space(_dtype_name(named_args), kwargs.get("TOPK", 0), kwargs.get("HAS_BIAS", False),
-                             kwargs.get("COV", False), _arch(named_args)))
+                             kwargs.get("COV", False), _arch(named_args), kwargs.get("SOFTCAP", False)))
     return [c for c in configs if _key(c) in keep]
 
 
 def _prune_dz(configs, named_args, **kwargs):
-    keep = set(dz_space(_dtype_name(named_args)))
+    keep = set(dz_space(_dtype_name(named_args), _arch(named_args), kwargs.get("SOFTCAP", False)))
     return [c for c in configs if _key(c) in keep]
 
 
@@ -332,9 +368,10 @@ def _key(config) -> tuple:
 # The switches that decide the pruned space are part of the key: keyed on the shape alone, a first call without the
 # covariance sums cached the 256×128 tile, and a later call with them on the same shape reused it (it spills there).
 _forward_tuned = triton.autotune(configs=_as_configs(dict.fromkeys(_FWD_WIDE + _FWD_LARGE + _FWD_MEDIUM + _FP32)),
-                                 key=["N_BUCKET", "V", "D", "SPLITS", "HAS_BIAS", "COV", "TOPK"],
+                                 key=["N_BUCKET", "V", "D", "SPLITS", "HAS_BIAS", "COV", "TOPK", "SOFTCAP"],
                                  prune_configs_by={"early_config_prune": _prune_forward})(_forward_kernel)
-_dz_tuned = triton.autotune(configs=_as_configs(dict.fromkeys(_DZ + _FP32)), key=["N_BUCKET", "V", "D"],
+_dz_tuned = triton.autotune(configs=_as_configs(dict.fromkeys(_DZ + _DZ_SOFTCAP + _FP32)),
+                            key=["N_BUCKET", "V", "D", "HAS_BIAS", "SOFTCAP"],
                             prune_configs_by={"early_config_prune": _prune_dz})(_dz_kernel)
 
 
@@ -379,12 +416,20 @@ def _default_splits(n: int, v: int, device: torch.device) -> int:
     return max(1, min(triton.cdiv(4 * sms, row_blocks), triton.cdiv(v, 8 * 128)))
 
 
+def row_inv_temp(inv_temp: float | torch.Tensor, n: int, device: torch.device) -> torch.Tensor:
+    """The kernels' per-row 1/T: fp32 [N] contiguous (a float becomes N equal values)."""
+    if isinstance(inv_temp, float):
+        return torch.full((n,), inv_temp, dtype=torch.float32, device=device)
+    return inv_temp.to(torch.float32).contiguous()
+
+
 def stats_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
-                  temperature: float, topk: int, want_cov: bool = True, workspace: int | None = None,
-                  splits: int | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor | None, torch.Tensor | None]]:
+                  inv_temp: float | torch.Tensor, topk: int, want_cov: bool = True, workspace: int | None = None,
+                  splits: int | None = None, softcap: float | None = None, want_s2: bool = False,
+                  ) -> tuple[torch.Tensor, tuple[torch.Tensor | None, torch.Tensor | None]]:
     """Same contract as the twin's ``stats_forward``: ([6, N] fp32 stats, (topk logits, topk indices)).
-    s2 and u2 are zero unless ``want_cov``. ``workspace`` is accepted for symmetry (the forward's
-    extra memory is O(N·splits))."""
+    s2 and u2 are zero unless ``want_cov`` or ``want_s2`` (the kernel's COV switch computes both: Σπ² alone
+    takes the κ kernel). ``workspace`` is accepted for symmetry (the forward's extra memory is O(N·splits))."""
     n, d = hidden.shape
     v = weight.shape[0]
     splits = splits or _default_splits(n, v, hidden.device)
@@ -393,11 +438,11 @@ def stats_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     topk_pad = triton.next_power_of_2(topk) if topk else 1
     topv = torch.full((splits, n, max(topk, 1)), float("nan"), dtype=torch.float32, device=hidden.device)
     topi = torch.full((splits, n, max(topk, 1)), -1, dtype=torch.int32, device=hidden.device)
-    args = (hidden, weight, bias if bias is not None else hidden, labels, partials, topv, topi,
-            n, v, d, splits, n_bucket(n), hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
-            1.0 / temperature)
-    meta = dict(HAS_BIAS=bias is not None, COV=bool(want_cov), TOPK=topk, TOPK_PAD=topk_pad,
-                PRECISION=_precision(hidden.dtype), GROUP_N=GROUP_N)
+    args = (hidden, weight, bias if bias is not None else hidden, labels, row_inv_temp(inv_temp, n, hidden.device),
+            partials, topv, topi, n, v, d, splits, n_bucket(n), hidden.stride(0), hidden.stride(1), weight.stride(0),
+            weight.stride(1), float(softcap or 1.0))
+    meta = dict(HAS_BIAS=bias is not None, COV=bool(want_cov or want_s2), TOPK=topk, TOPK_PAD=topk_pad,
+                SOFTCAP=softcap is not None, PRECISION=_precision(hidden.dtype), GROUP_N=GROUP_N)
     if interpreting():
         tiles = INTERPRETER_TILES
         _forward_kernel[(triton.cdiv(n, tiles["BLOCK_N"]) * splits,)](*args, **meta, **tiles)
@@ -414,9 +459,9 @@ def stats_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
 
 def grad_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
-                  temperature: float, logsumexp: torch.Tensor, entropy: torch.Tensor, g: torch.Tensor,
-                  e: torch.Tensor, workspace: int | None = None, need_dh: bool = True,
-                  need_dw: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+                  inv_temp: float | torch.Tensor, logsumexp: torch.Tensor, entropy: torch.Tensor, g: torch.Tensor,
+                  e: torch.Tensor, workspace: int | None = None, need_dh: bool = True, need_dw: bool = True,
+                  softcap: float | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Same contract as the twin's ``grad_backward``: (dh, dW, db) in the input dtypes.
 
     Workspace: one dZ buffer of R·V input-dtype elements, R = ``chunk_rows`` of the budget
@@ -427,16 +472,17 @@ def grad_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     budget = workspace or workspace_bytes()
     rows = chunk_rows(n, v, hidden.element_size(), budget, bias is not None)
     logsumexp, entropy, g, e = (t.contiguous() for t in (logsumexp, entropy, g, e))
-    inv_temp = 1.0 / temperature
-    meta = dict(HAS_BIAS=bias is not None, PRECISION=_precision(hidden.dtype), GROUP_N=GROUP_N)
+    inv_t = row_inv_temp(inv_temp, n, hidden.device)
+    meta = dict(HAS_BIAS=bias is not None, SOFTCAP=softcap is not None, PRECISION=_precision(hidden.dtype),
+                GROUP_N=GROUP_N)
 
     def fill_dz(r0, r1, dz):
         m = r1 - r0
         if POISON or interpreting():
             dz.fill_(float("nan"))  # poison: a tile the kernel skips cannot pass silently
-        args = (hidden[r0:r1], weight, bias if bias is not None else hidden, labels[r0:r1], logsumexp[r0:r1],
-                entropy[r0:r1], g[r0:r1], e[r0:r1], dz, m, v, d, n_bucket(m),
-                hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), inv_temp)
+        args = (hidden[r0:r1], weight, bias if bias is not None else hidden, labels[r0:r1], inv_t[r0:r1],
+                logsumexp[r0:r1], entropy[r0:r1], g[r0:r1], e[r0:r1], dz, m, v, d, n_bucket(m),
+                hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), float(softcap or 1.0))
         if interpreting():
             tiles = INTERPRETER_TILES
             grid = (triton.cdiv(m, tiles["BLOCK_N"]) * triton.cdiv(v, tiles["BLOCK_V"]),)

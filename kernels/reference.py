@@ -9,18 +9,24 @@ import torch
 
 
 def reference_logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                              bias: torch.Tensor | None = None, temperature: float = 1.0,
-                              ignore_index: int = -100) -> dict[str, torch.Tensor]:
+                              bias: torch.Tensor | None = None, temperature: float | torch.Tensor = 1.0,
+                              ignore_index: int = -100, softcap: float | None = None) -> dict[str, torch.Tensor]:
     """Float64 outputs of docs/design.md §3 from the full logits, differentiable w.r.t. the (float64) inputs.
 
-    hidden [N, D], weight [V, D], bias [V] or None, labels [N] int64. Returns a dict of [N] float64
-    tensors: logprob, entropy, logsumexp, vocab_cov (κ = Cov_{a∼π}(log π(a), e_y(a) − π(a)), from
-    its definition), and log_probs [N, V] (all of log π, for top-k checks).
+    hidden [N, D], weight [V, D], bias [V] or None, labels [N] int64; ``temperature`` a float or [N] (one per
+    row); ``softcap`` caps the logits as cap·tanh(z/cap) before the temperature (Gemma 2). Returns a dict of
+    [N] float64 tensors: logprob, entropy, logsumexp, vocab_cov (κ = Cov_{a∼π}(log π(a), e_y(a) − π(a)), from
+    its definition), sum_p2 (Σ_a π(a)², no gradient), and log_probs [N, V] (all of log π, for top-k checks).
     """
     z = hidden.double() @ weight.double().T
     if bias is not None:
         z = z + bias.double()
-    z = z / temperature
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    if isinstance(temperature, torch.Tensor):
+        z = z / temperature.double().reshape(-1, 1)
+    else:
+        z = z / temperature
     log_probs = torch.log_softmax(z, dim=-1)
     probs = log_probs.exp()
     valid = labels != ignore_index
@@ -37,5 +43,6 @@ def reference_logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels
         "entropy": torch.where(valid, entropy, zero),
         "logsumexp": torch.logsumexp(z, dim=-1),
         "vocab_cov": torch.where(valid, kappa, zero).detach(),
+        "sum_p2": torch.where(valid, (probs * probs).sum(-1), zero).detach(),
         "log_probs": log_probs,
     }

@@ -442,8 +442,9 @@ def _without_name(exc: Exception, name: str) -> str:
 @dataclass
 class AlgoConfig:
     # prime: outcome + implicit process rewards, token-level (algo.prime); reinforce_pp with algo.kl_coef > 0:
-    # REINFORCE++ with its token-level KL penalty (trainer/token_level/advantages.py).
-    # a name in fastcov.advantages.ESTIMATORS, or prime (token-level, trainer/token_level/prime.py)
+    # REINFORCE++ with its token-level KL penalty (trainer/token_level/advantages.py); optimal_token_baseline:
+    # verl's OTB, per-token baselines from the old log-probs and Σπ² of the fused pass.
+    # a name in fastcov.advantages.ESTIMATORS, or prime / optimal_token_baseline (token-level)
     adv_estimator: str = "grpo"
     # REINFORCE++'s KL penalty in the reward: r_t = -kl_coef * (log pi_old - log pi_ref)(t), the outcome reward
     # added at the last token, returns summed to the end and normalised over the batch's tokens. 0 = off.
@@ -767,7 +768,8 @@ def _check(cond: bool, key: str, msg: str) -> None:
         raise ConfigError(f"{key}: {msg}")
 
 
-TRAINER_ESTIMATORS = ("prime",)  # advantage estimators the trainer implements itself (token-level)
+# advantage estimators the trainer implements itself (token-level)
+TRAINER_ESTIMATORS = ("prime", "optimal_token_baseline")
 
 
 def _check_registered(cfg: Config) -> None:

@@ -51,7 +51,11 @@ from fastcov.trainer.runtime.run_dir import save_is_due
 from fastcov.trainer.start import Run, StopFlag, start_run
 from fastcov.trainer.step_metrics import LOSS_METRICS, SELECTION_DIAGNOSTICS, UpdateStats, step_metrics, timed
 from fastcov.trainer.timeline import flush_timeline
-from fastcov.trainer.token_level.advantages import prime_keep
+from fastcov.trainer.token_level.advantages import (
+    TOKEN_LEVEL_ESTIMATORS,
+    optimal_token_baseline_advantages,
+    prime_keep,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -133,8 +137,8 @@ def collect_rollouts(cfg: Config, step: int, sampler, train_set, rollout, reward
             counters["reward_timeouts"] += int(all_sum([reward_fn.timeouts - timeouts_before], device)[0])
 
         rewards = torch.tensor(all_gather_floats(local_rewards, device), dtype=torch.float32)
-        # prime: RLOO here as a placeholder; token_adv.apply (after step 4) sets the token-level advantages
-        seq_estimator = "rloo" if a.adv_estimator == "prime" else a.adv_estimator
+        # prime, optimal_token_baseline: RLOO here as a placeholder; the token-level advantages are set after step 4
+        seq_estimator = "rloo" if a.adv_estimator in TOKEN_LEVEL_ESTIMATORS else a.adv_estimator
         adv = get_advantage(seq_estimator)(rewards, r.n).view(t.prompts_per_step, r.n)
         keep = torch.ones(t.prompts_per_step, dtype=torch.bool)
         if a.dapo_filter:
@@ -154,7 +158,8 @@ def collect_rollouts(cfg: Config, step: int, sampler, train_set, rollout, reward
             if keep[g]:
                 pending.setdefault(group_id(g), []).append(Sequence(
                     prompts[i], out.token_ids[i], out.logprobs[i], group_id(g),
-                    reward=local_rewards[i], advantage=float(adv[g, i % r.n]), policy_version=version))
+                    reward=local_rewards[i], advantage=float(adv[g, i % r.n]), policy_version=version,
+                    temperature=sampling.temperature))
         all_prompts += prompts
         all_ids += out.token_ids
         all_rewards += local_rewards
@@ -180,15 +185,18 @@ def batching(cfg: Config, engine, no_grad: bool = False) -> dict:
     return {"budget": budget, "packing": t.packing, "row_capacity": budget if (t.packing and flash) else None}
 
 
-def forward(engine, mb: MicroBatch, temperature: float, vocab_cov: bool = False):
-    """The policy's per-token log-probs and entropies ([rows, L]) on one micro-batch, any layout."""
-    return engine(**mb.model_inputs(), temperature=temperature, entropy=True, vocab_cov=vocab_cov)
+def forward(engine, mb: MicroBatch, temperature: float, vocab_cov: bool = False, sum_p2: bool = False):
+    """The policy's per-token log-probs and entropies ([rows, L]) on one micro-batch, any layout, each token at the
+    temperature its sequence was sampled with (``mb.temperature``; ``temperature`` where none was recorded)."""
+    return engine(**mb.model_inputs(), temperature=mb.temperature_or(temperature), entropy=True, vocab_cov=vocab_cov,
+                  sum_p2=sum_p2)
 
 
 def compute_old_logprobs(engine, seqs: list[Sequence], cfg: Config, pad_id: int, device: torch.device,
-                         keep_entropy: bool = False, keep_vocab_cov: bool = False
+                         keep_entropy: bool = False, keep_vocab_cov: bool = False, keep_sum_p2: bool = False
                          ) -> tuple[float, float, float, float]:
-    """Step 4: fill ``old_logprob`` of every sequence (and ``old_entropy`` / ``old_vocab_cov`` when asked)
+    """Step 4: fill ``old_logprob`` of every sequence (and ``old_entropy`` / ``old_vocab_cov`` / ``old_sum_p2``
+    when asked)
     with a no-grad pass over token-budget micro-batches. Returns (entropy sum, response tokens,
     Σ |old − sampling log-prob|, max |old − sampling log-prob|) over this rank's sequences: the rollout
     engine's log-probs against the policy's before the update. Every rank must call it."""
@@ -196,7 +204,7 @@ def compute_old_logprobs(engine, seqs: list[Sequence], cfg: Config, pad_id: int,
     ent_sum = tok_sum = lp_diff = lp_diff_max = 0.0
     with torch.no_grad():
         for mb in micro_batches(seqs, pad_id=pad_id, device=device, **batching(cfg, engine, no_grad=True)):
-            res = forward(engine, mb, cfg.rollout.temperature, vocab_cov=keep_vocab_cov)
+            res = forward(engine, mb, cfg.rollout.temperature, vocab_cov=keep_vocab_cov, sum_p2=keep_sum_p2)
             if mb.weight == 0:
                 continue
             for si, (row, start, n) in zip(mb.seq_index, mb.spans, strict=True):
@@ -208,6 +216,8 @@ def compute_old_logprobs(engine, seqs: list[Sequence], cfg: Config, pad_id: int,
                     s.old_entropy = ent.tolist()
                 if keep_vocab_cov:
                     s.old_vocab_cov = res.vocab_cov[row, start : start + n].float().tolist()
+                if keep_sum_p2:
+                    s.old_sum_p2 = res.sum_p2[row, start : start + n].float().tolist()
                 ent_sum += float(ent.sum())
                 gap = (lp - torch.tensor(s.sample_logprob, device=lp.device)).abs()
                 lp_diff += float(gap.sum())
@@ -368,12 +378,15 @@ def logprobs_update_sync(run: Run, col: Collected, rec: dict) -> tuple[UpdateSta
     with timed(times, "old_logprob"):
         old = compute_old_logprobs(run.engine, col.seqs, cfg, pad_id, run.device,
                                    keep_entropy=(global_scope and a.high_entropy_fraction is not None) or shaping,
-                                   keep_vocab_cov=global_scope and a.cov_score == "vocab")
+                                   keep_vocab_cov=global_scope and a.cov_score == "vocab",
+                                   keep_sum_p2=a.adv_estimator == "optimal_token_baseline")
     if run.token_adv is not None:  # REINFORCE++ with KL penalty, PRIME: token-level advantages
         with timed(times, "token_rewards"):
             rec.update(run.token_adv.apply(col.seqs, pad_id, run.device, batching(cfg, run.engine)))
     if rollout_correction_enabled(cfg):
         rec.update(correct_rollouts(col.seqs, cfg, run.device))
+    if a.adv_estimator == "optimal_token_baseline":  # needs the old log-probs, Σπ² and the rollout weights
+        rec.update(optimal_token_baseline_advantages(col.seqs, run.device))
     if shaping:  # A_t + min(alpha * H_t, |A_t| / kappa); logs entropy_advantage/bonus
         rec.update(entropy_control.shape_advantages(col.seqs, a, run.device))
     with timed(times, "update"):

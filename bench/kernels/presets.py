@@ -62,6 +62,20 @@ PRESETS: dict[str, dict] = {
             {"name": "qwen2.5-32b", "d": 5120, "v": 152064, "ns": [4096, 16384]},
         ],
     },
+    # The switches of issue 59 in the one-call GPU run: each beside the base call at the 7B head, N 16384, and at
+    # Liger's CuTe anchor shape (D 4096, V 131072, 16K tokens, fwd+bwd with entropy: Liger reports 103.65 ms on an
+    # H100) beside Liger's own entropy-returning path
+    "gpu-run-switches": {
+        "device": "cuda", "dtype": "bfloat16", "warmup": 2, "repeats": 5,
+        "impls": ["fastcov-triton", "fastcov-triton-sum-p2", "fastcov-triton-temperature", "fastcov-triton-softcap",
+                  "liger-entropy"],
+        "groups": [
+            {"name": "liger-anchor", "d": 4096, "v": 131072, "ns": [16384]},
+            {"name": "qwen2.5-7b", "d": 3584, "v": 152064, "ns": [16384],
+             "impls": ["fastcov-triton", "fastcov-triton-sum-p2", "fastcov-triton-temperature",
+                       "fastcov-triton-softcap"]},
+        ],
+    },
     # what gpu_run.sh adds only when time is left: N 65536 (naive OOMs there on 80 GB; recorded as OOM)
     "gpu-run-large": {
         "device": "cuda", "dtype": "bfloat16", "warmup": 1, "repeats": 3,

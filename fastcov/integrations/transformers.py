@@ -21,7 +21,10 @@ model's own log_softmax(logits / T) only when the model's logits are exactly ``l
   wrappers, models with extra heads, remote code) is refused unless ``allow_unlisted=True``, which keeps
   every other check;
 * no config attribute that transforms the logits (``LOGIT_TRANSFORMS``: soft-capping, logit scales,
-  multipliers such as FalconH1's ``lm_head_multiplier``, Granite's ``logits_scaling``, vocabulary slicing);
+  multipliers such as FalconH1's ``lm_head_multiplier``, Granite's ``logits_scaling``, vocabulary slicing), but
+  Gemma 2's soft cap: on the classes of ``SOFTCAP_ARCHITECTURES`` (Gemma 2/3/4, VaultGemma, NanoChat, Beam), whose
+  forward is cap·tanh(lm_head(h)/cap) with ``final_logit_softcapping`` = cap, the kernel applies the same cap
+  (``softcap=``, before the temperature, as their sampling does);
 * the output embedding is a plain ``torch.nn.Linear`` held directly by the model, and the model has no other
   child with parameters than the decoder and the head (RobertaForCausalLM's head has dense + layer norm);
 * the head's weight is float32, float16 or bfloat16 (the kernel's dtypes; float64 is refused).
@@ -87,6 +90,15 @@ EXACT_ARCHITECTURES = frozenset({
     "InklingForCausalLM", "NanoChatForCausalLM", "VaultGemmaForCausalLM",
 })
 
+# Classes whose forward caps the head's logits as cap·tanh(lm_head(h)/cap), cap = config.final_logit_softcapping (of
+# the model's config or its text config), with nothing else between the head and the logits: the fused kernel's
+# softcap= computes the same (checked against the model's own logits at the default cap by the architecture sweep).
+SOFTCAP_ARCHITECTURES = frozenset({
+    "BeamForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma4ForCausalLM", "Gemma4UnifiedForCausalLM",
+    "NanoChatForCausalLM", "VaultGemmaForCausalLM",
+})
+SOFTCAP_ATTRIBUTE = "final_logit_softcapping"
+
 # config attributes (of the model's config or its text config) that change the logits after the LM head,
 # with the values that leave them unchanged
 _NEUTRAL_SOFTCAP = (None, 0, 0.0)
@@ -148,12 +160,33 @@ def _child_name(model, module) -> str | None:
     return None
 
 
+def _is_neutral(value, neutral) -> bool:
+    return any(value is n or (type(value) in (int, float) and value == n) for n in neutral)
+
+
+def logit_softcap(model) -> float | None:
+    """The cap the model applies to its logits as cap·tanh(logits/cap) (``final_logit_softcapping`` of a class on
+    ``SOFTCAP_ARCHITECTURES``), or None."""
+    if type(model).__name__ not in SOFTCAP_ARCHITECTURES:
+        return None
+    for _, config in reversed(_configs(model)):  # the text config's, where the model has one
+        value = getattr(config, SOFTCAP_ATTRIBUTE, None)
+        if value is not None and not _is_neutral(value, LOGIT_TRANSFORMS[SOFTCAP_ATTRIBUTE]):
+            return float(value)
+    return None
+
+
 def decoder_and_head(model, *, allow_unlisted: bool = False):
     """(decoder, head) of a model the fused path is exact for; ``UnsupportedModelError`` otherwise."""
+    capped = type(model).__name__ in SOFTCAP_ARCHITECTURES
     for where, config in _configs(model):
         for attr, neutral in LOGIT_TRANSFORMS.items():
             value = getattr(config, attr, None)
-            if not any(value is n or (type(value) in (int, float) and value == n) for n in neutral):
+            if capped and attr == SOFTCAP_ATTRIBUTE and value is not None:
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                    _refuse(model, f"has a soft cap the kernel cannot apply ({where}.{attr}={value!r})")
+                continue
+            if not _is_neutral(value, neutral):
                 _refuse(model, f"transforms its logits ({where}.{attr}={value!r})")
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is None:
@@ -201,11 +234,13 @@ def fused_logprob_entropy(model: torch.nn.Module, hidden: torch.Tensor, labels: 
                           temperature: float = 1.0, vocab_cov: bool = False, impl: str = "auto",
                           ignore_index: int = -100) -> LogprobEntropy:
     """Per-token stats of labels [B, T] from the decoder's hidden [B, T, D], shifted so that position
-    t scores labels[:, t] from hidden[:, t-1]. Returns a ``LogprobEntropy`` of [B, T] tensors."""
+    t scores labels[:, t] from hidden[:, t-1], with the model's soft cap (``logit_softcap``) where it has one.
+    Returns a ``LogprobEntropy`` of [B, T] tensors."""
     _, head = decoder_and_head(model, allow_unlisted=bool(getattr(model, "_fastcov_allow_unlisted", False)))
     targets = torch.cat((labels[:, 1:], torch.full_like(labels[:, :1], ignore_index)), dim=1)
     stats = linear_logprob_entropy(hidden, head.weight, targets, bias=head.bias, temperature=temperature,
-                                   ignore_index=ignore_index, vocab_cov=vocab_cov, impl=impl)
+                                   ignore_index=ignore_index, vocab_cov=vocab_cov, impl=impl,
+                                   softcap=logit_softcap(model))
 
     def shift(t):  # untyped: None stays None, a tensor stays a tensor
         return None if t is None else torch.nn.functional.pad(t[:, :-1], (1, 0))

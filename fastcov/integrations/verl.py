@@ -30,17 +30,29 @@ like verl's ``randperm``, but the same seed picks different tokens than verl.
 ``linear_cross_entropy(hidden, weight, labels, temperature, reduction, dist_process_group)`` has the
 signature and outputs of verl's ``verl.utils.kernel.linear_cross_entropy`` — (logprobs, entropy) —
 computed by fastcov's kernel, including the vocabulary-parallel case (``dist_process_group``).
+
+Optimal Token Baseline on the fused path. verl 0.9.1's OTB (``algorithm.adv_estimator=optimal_token_baseline``)
+needs Σπ² per token (``actor.calculate_sum_pi_squared=true``), which its FSDP engine refuses with
+``use_fused_kernels=true`` ("fused kernels do not materialize the full logits"). ``enable_fused_head()`` (or
+``FASTCOV_VERL_FUSED_HEAD=1`` in the workers' environment, read when verl imports this module) makes verl's fused
+forward of dense text models (``fused_kernels_backend`` triton or torch) fastcov's kernel, which returns Σπ² from
+the same pass, soft-capped heads (Gemma 2) included, and lets the FSDP engine hand it on as ``sum_pi_squared``:
+OTB then runs with the fused path on. ``fastcov.token_advantages.optimal_token_baseline`` equals verl's
+``compute_optimal_token_baseline_advantage`` (tests/integrations_verl/test_otb_verl.py).
 """
 
 from __future__ import annotations
 
+import functools
+import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from fastcov.integrations._require import require
 from fastcov.losses import LossConfig, compute_global_selection, get_policy_loss
-from fastcov.ops import kernel_backend, linear_logprob_entropy
+from fastcov.ops import VocabParallel, linear_logprob_entropy
 
 core_algos = require("verl.trainer.ppo.core_algos", "verl", "'fastcov[verl]'")
 if not hasattr(core_algos, "agg_loss") or not hasattr(core_algos, "register_policy_loss"):
@@ -179,23 +191,18 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     """verl's fused-kernel signature: hidden [..., D], weight [V or V_local, D], labels [...] (global ids).
 
     Returns (logprobs, entropy): logprobs shaped like labels for reduction "none", else their "sum" or
-    "mean"; entropy per token. With ``dist_process_group`` the vocabulary is split over its ranks.
+    "mean"; entropy per token. With ``dist_process_group`` the vocabulary is split over its ranks (rank r holds
+    rows [r·V_local, (r+1)·V_local)); as with verl's kernel, the gradient of ``hidden`` is then this rank's
+    share, which the caller sums over the group.
     """
     if reduction not in ("none", "sum", "mean"):
         raise ValueError(f"reduction must be 'none', 'sum' or 'mean', got {reduction!r}")
-    if dist_process_group is None:
-        stats = linear_logprob_entropy(hidden, weight, labels, temperature=float(temperature))
-        logprobs, entropy = stats.logprob, stats.entropy
-        assert entropy is not None  # computed unless entropy=False
-    else:
-        from fastcov.kernels._autograd import VocabParallelLogprobEntropyFunction
-
-        hidden2d = hidden.reshape(-1, hidden.shape[-1])
-        logprobs, entropy, _ = VocabParallelLogprobEntropyFunction.apply(
-            hidden2d, weight, labels.reshape(-1).long().contiguous(), float(temperature), -100,
-            dist_process_group, kernel_backend("auto", hidden.device),
-        )
-        logprobs, entropy = logprobs.view(labels.shape), entropy.view(labels.shape)
+    # as verl's kernel, each rank's gradient of hidden is its own columns' share (Megatron's sequence-parallel
+    # gather sums it in its backward; verl's TP test all-reduces it after the call)
+    shard = None if dist_process_group is None else VocabParallel(dist_process_group, reduce_hidden_grad=False)
+    stats = linear_logprob_entropy(hidden, weight, labels, temperature=float(temperature), vocab_parallel=shard)
+    logprobs, entropy = stats.logprob, stats.entropy
+    assert entropy is not None  # computed unless entropy=False
     if reduction == "sum":
         logprobs = logprobs.sum()
     elif reduction == "mean":
@@ -203,4 +210,121 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     return logprobs, entropy
 
 
+# ---------------------------------------------------------------------------------------- the fused head with Σπ²
+
+FUSED_HEAD_ENV = "FASTCOV_VERL_FUSED_HEAD"
+_fused_head_enabled = False
+
+
+def _output_class():
+    from verl.models.transformers.dense_common import CausalLMOutputForPPO
+
+    @dataclass
+    class FastcovOutputForPPO(CausalLMOutputForPPO):
+        """verl's fused-forward output with Σπ² per token (None unless the engine asked for it)."""
+
+        sum_pi_squared: torch.Tensor | None = None
+
+    return FastcovOutputForPPO
+
+
+def fused_forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                  inputs_embeds=None, labels=None, use_cache=None, output_attentions=None, output_hidden_states=None,
+                  return_dict=None, cache_position=None, logits_to_keep=0, temperature: float = 1.0,
+                  shift_labels=None, fastcov_sum_pi_squared: bool = False, **loss_kwargs):
+    """verl's fused forward (``forward_with_triton_backend``'s contract: log-probs and entropy of the next token
+    at ``temperature``, labels from ``shift_labels``, else ``labels`` or ``input_ids`` rolled by one) computed by
+    fastcov's kernel from the decoder's last hidden state and the head (its bias and soft cap included), plus
+    ``sum_pi_squared`` when ``fastcov_sum_pi_squared``."""
+    from fastcov.integrations.transformers import logit_softcap
+
+    if not return_dict:
+        raise NotImplementedError("fastcov's fused forward has to return_dict (as verl's)")
+    outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+                         output_attentions=output_attentions, output_hidden_states=output_hidden_states,
+                         return_dict=True, cache_position=cache_position)
+    if shift_labels is not None:
+        rolled = shift_labels
+    elif labels is not None:
+        rolled = torch.roll(labels, shifts=-1, dims=-1)
+    elif input_ids is not None:
+        rolled = torch.roll(input_ids, shifts=-1, dims=-1)
+    else:
+        raise RuntimeError("fastcov's fused forward needs shift_labels, labels or input_ids")
+    head = self.get_output_embeddings()
+    hidden = outputs[0]
+    stats = linear_logprob_entropy(hidden.to(head.weight.dtype), head.weight, rolled, bias=head.bias,
+                                   temperature=float(temperature), sum_p2=bool(fastcov_sum_pi_squared),
+                                   softcap=logit_softcap(self))
+    return _output_class()(log_probs=stats.logprob, entropy=stats.entropy, sum_pi_squared=stats.sum_p2,
+                           past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states,
+                           attentions=outputs.attentions)
+
+
+def _wrap_inputs(original):
+    @functools.wraps(original)
+    def prepare_model_inputs(self, micro_batch):
+        from verl.utils import tensordict_utils as tu
+
+        model_inputs, output_args = original(self, micro_batch)
+        if (tu.get_non_tensor_data(data=micro_batch, key="use_fused_kernels", default=False)
+                and tu.get_non_tensor_data(data=micro_batch, key="calculate_sum_pi_squared", default=False)):
+            model_inputs["fastcov_sum_pi_squared"] = True
+        return model_inputs, output_args
+
+    return prepare_model_inputs
+
+
+def _wrap_outputs(original):
+    @functools.wraps(original)
+    def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):
+        from verl.utils import tensordict_utils as tu
+
+        fused = tu.get_non_tensor_data(data=micro_batch, key="use_fused_kernels", default=False)
+        wanted = tu.get_non_tensor_data(data=micro_batch, key="calculate_sum_pi_squared", default=False)
+        if not (fused and wanted):
+            return original(self, output, output_args, micro_batch, logits_processor_func)
+        if getattr(output, "sum_pi_squared", None) is None:
+            raise NotImplementedError("calculate_sum_pi_squared with use_fused_kernels needs fastcov's fused forward "
+                                      "(fastcov.integrations.verl.enable_fused_head() before the model is built)")
+        tu.assign_non_tensor(micro_batch, calculate_sum_pi_squared=False)  # verl's own path: log p and H
+        try:
+            model_output = original(self, output, output_args, micro_batch, logits_processor_func)
+        finally:
+            tu.assign_non_tensor(micro_batch, calculate_sum_pi_squared=True)
+        offsets = micro_batch["input_ids"].offsets()
+        if tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True):
+            packed = self._gather_and_unpad_packed(output.sum_pi_squared.squeeze(0), output_args["pad_size"])
+        else:  # dense (bsz, seqlen): each sequence's own positions, packed as verl packs log p
+            width = output.sum_pi_squared.shape[1]
+            packed = output.sum_pi_squared[torch.arange(width, device=offsets.device) < offsets.diff()[:, None]]
+        model_output["sum_pi_squared"] = torch.nested.nested_tensor_from_jagged(packed, offsets)
+        return model_output
+
+    return prepare_model_outputs
+
+
+def enable_fused_head() -> None:
+    """Make verl's fused forward (dense text models, ``fused_kernels_backend`` triton or torch) fastcov's
+    ``fused_forward`` and let verl's FSDP engine take Σπ² from it with ``use_fused_kernels=true`` (OTB's
+    ``calculate_sum_pi_squared``). Idempotent; call it in every worker before the model is built (or set
+    FASTCOV_VERL_FUSED_HEAD=1 in their environment). Other models (the VL ones with their own fused forward)
+    keep verl's kernel."""
+    global _fused_head_enabled
+    if _fused_head_enabled:
+        return
+    from verl.models.transformers import dense_common
+    from verl.workers.engine.fsdp import transformer_impl
+
+    dense_common.forward_with_triton_backend = fused_forward
+    dense_common.forward_with_torch_backend = fused_forward
+    engine = transformer_impl.FSDPEngineWithLMHead
+    engine.prepare_model_inputs = _wrap_inputs(engine.prepare_model_inputs)
+    engine.prepare_model_outputs = _wrap_outputs(engine.prepare_model_outputs)
+    _fused_head_enabled = True
+
+
 register_losses()
+if os.environ.get(FUSED_HEAD_ENV, "0") not in ("", "0"):
+    enable_fused_head()

@@ -223,3 +223,34 @@ def test_cce_torch_compile_is_a_cpu_peer_beside_the_logprob_only_twin():
     assert entropy is None
     ref, _ = naive(hidden.double(), weight.double(), labels, 0.8)
     torch.testing.assert_close(logprob.double(), ref.double(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("switch", ["sum-p2", "temperature", "softcap"])
+def test_switch_rows_are_the_base_call_with_one_switch(switch):
+    """The benchmark's switch rows give the base call's log-probs and entropies (the per-token temperature holds
+    the scalar T; the cap 1e4 moves these logits by < 3e-5), so their float64 check stays meaningful."""
+    from bench.peers import SWITCH_ROWS
+
+    device = torch.device("cpu")
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(40, 32, generator=g)
+    weight = torch.randn(300, 32, generator=g) * (3.0 / 32 ** 0.5)
+    labels = torch.randint(0, 300, (40,), generator=g)
+    base = IMPLS["fastcov-torch"].load(device)(hidden, weight, labels, 0.7)
+    row = IMPLS[f"fastcov-torch-{switch}"].load(device)(hidden, weight, labels, 0.7)
+    for got, want in zip(row, base, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert switch in SWITCH_ROWS and IMPLS[f"fastcov-triton-{switch}"].needs_cuda
+
+
+def test_gpu_run_switches_preset_holds_ligers_anchor_shape():
+    """Issue 59's GPU shapes: the one-call GPU run's switch preset runs Liger's CuTe anchor shape (D 4096, V 131072,
+    16K tokens) with every switch beside the base call and Liger's entropy-returning path."""
+    from bench.kernels.presets import PRESETS
+
+    preset = PRESETS["gpu-run-switches"]
+    anchor = [g for g in preset["groups"] if (g["d"], g["v"]) == (4096, 131072)]
+    assert anchor and 16384 in anchor[0]["ns"]
+    impls = anchor[0].get("impls", preset["impls"])
+    assert {"fastcov-triton", "liger-entropy"} <= set(impls)
+    assert {f"fastcov-triton-{s}" for s in ("sum-p2", "temperature", "softcap")} <= set(impls)

@@ -73,8 +73,9 @@ def test_full_size_kernels_and_train_are_unavailable_without_cuda(tmp_path):
     assert S.main(["--part", "kernels", "--out", str(tmp_path)]) == 0
     assert S.main(["--part", "train", "--size", "1.5b", "--out", str(tmp_path)]) == 0
     got = {(r["part"], r["name"]): r for r in rows_of(tmp_path) if r["part"] != "env"}
-    assert set(got) == {("kernels", "fastcov: preset gpu-run"), ("kernels", "peers: preset gpu-run"),
-                        ("kernels", "autotune picks"), ("train", "fastcov trainer"), ("train", "trl GRPOTrainer")}
+    assert set(got) == {("kernels", "fastcov: preset gpu-run"), ("kernels", "switches: preset gpu-run-switches"),
+                        ("kernels", "peers: preset gpu-run"), ("kernels", "autotune picks"),
+                        ("train", "fastcov trainer"), ("train", "trl GRPOTrainer")}
     assert all(r["status"] == "unavailable" and ("needs CUDA" in r["reason"] or "off CUDA" in r["reason"])
                for r in got.values())
 

@@ -82,12 +82,23 @@ EXACT_VARIANTS = {
 REFUSED_VARIANTS = {
     "falcon_h1-multiplier-0.5": ("falcon_h1", {"lm_head_multiplier": 0.5}, "lm_head_multiplier"),
     "granite-scaling-2": ("granite", {"logits_scaling": 2.0}, "logits_scaling"),
-    "gemma2-softcap-30": ("gemma2", {"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
-    "gemma3-softcap-30": ("gemma3_text", {"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
+    # a class whose forward does not cap: the attribute alone must not make fastcov cap (or pass unnoticed)
+    "qwen2-softcap-attribute": ("qwen2", {"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
+    "gemma2-softcap-negative": ("gemma2", {"final_logit_softcapping": -1.0}, "final_logit_softcapping"),
     "cohere-scale": ("cohere", {"logit_scale": 0.0625}, "logit_scale"),
     "roberta-head-layers": ("roberta", {"is_decoder": True}, "lm_head.dense"),
     "modernbert-decoder": ("modernbert-decoder", {}, "get_decoder()"),
     "prophetnet-unlisted": ("prophetnet", {}, "EXACT_ARCHITECTURES"),
+}
+# Gemma 2's soft cap (final_logit_softcapping) on, at caps the tiny logits reach (the default 30 barely bends them)
+# and at temperatures ≠ 1 (the cap comes first, as the model's sampling applies it): exact, with the kernel's cap
+CAPPED_VARIANTS = {
+    "gemma2-softcap-30": ("gemma2", {"final_logit_softcapping": 30.0}, 1.0),
+    "gemma2-softcap-0.5-T0.7": ("gemma2", {"final_logit_softcapping": 0.5}, 0.7),
+    "gemma3-softcap-0.5-T1.3": ("gemma3_text", {"final_logit_softcapping": 0.5}, 1.3),
+    "vaultgemma-softcap-0.5": ("vaultgemma", {"final_logit_softcapping": 0.5}, 1.0),
+    "nanochat-softcap-0.5": ("nanochat", {"final_logit_softcapping": 0.5}, 0.6),
+    "beam-softcap-0.5": ("beam", {"final_logit_softcapping": 0.5}, 1.0),
 }
 # architectures whose tiny build takes long only to fail (kept out of the time budget)
 SLOW_TO_FAIL = {"blt": "its byte-patch encoder keeps 2048-wide layers the generic shrink does not reach"}
@@ -227,6 +238,23 @@ def test_plain_head_variants_are_exact(variant):
     result = fused_vs_own(model)
     assert not isinstance(result, UnsupportedModelError), str(result)
     assert result < TOLERANCE
+
+
+@pytest.mark.parametrize("variant", list(CAPPED_VARIANTS))
+def test_soft_capped_heads_are_exact(variant):
+    from fastcov.integrations.transformers import SOFTCAP_ARCHITECTURES, logit_softcap
+
+    model_type, extra, temperature = CAPPED_VARIANTS[variant]
+    model = _build_or_skip(model_type, extra)
+    assert type(model).__name__ in SOFTCAP_ARCHITECTURES and logit_softcap(model) == extra["final_logit_softcapping"]
+    result = fused_vs_own(model, temperature=temperature)
+    assert not isinstance(result, UnsupportedModelError), str(result)
+    assert result < TOLERANCE
+    if extra["final_logit_softcapping"] < 1:  # the cap changes these logits: uncapped they would be far off
+        plain = build_tiny(model_type, {**extra, "final_logit_softcapping": None})
+        plain.load_state_dict(model.state_dict())
+        plain._own_logits = model._own_logits  # the capped model's logits against the uncapped fused path
+        assert fused_vs_own(plain, temperature=temperature) > 100 * TOLERANCE
 
 
 @pytest.mark.parametrize("variant", list(REFUSED_VARIANTS))

@@ -57,10 +57,23 @@ def make_args(tmp_path, **overrides):
     return FastcovGRPOConfig(**kwargs)
 
 
-def make_trainer(tmp_path, n_prompts=2, **overrides):
+def tiny_gemma2(softcap, seed=0):
+    """A tiny Gemma 2 (built offline from its config) whose head is soft-capped at ``softcap``."""
+    torch.manual_seed(seed)
+    config = transformers.Gemma2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, pad_token_id=0, eos_token_id=1,
+        bos_token_id=2, final_logit_softcapping=softcap, sliding_window=16,
+    )
+    config._attn_implementation = "eager"
+    return transformers.AutoModelForCausalLM.from_config(config).float()
+
+
+def make_trainer(tmp_path, n_prompts=2, model=None, **overrides):
     prompts = ["12+7=", "3*4=", "9-5=", "20/4=", "8+8=", "6*7="][:n_prompts]
     return FastcovGRPOTrainer(
-        model=tiny_model(), reward_funcs=reward_digits, args=make_args(tmp_path, **overrides),
+        model=model if model is not None else tiny_model(), reward_funcs=reward_digits,
+        args=make_args(tmp_path, **overrides),
         train_dataset=datasets.Dataset.from_dict({"prompt": prompts}), processing_class=tiny_tokenizer(),
     )
 
@@ -80,9 +93,12 @@ def padded_batch(seed=1, rows=5, prompt=6, completion=7):
 # ---------------------------------------------------------------- (1) parity with TRL's own log-probs
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_fused_logps_and_entropies_match_trl(tmp_path, temperature):
-    trainer = make_trainer(tmp_path, temperature=temperature)
+@pytest.mark.parametrize("temperature,softcap", [(1.0, None), (0.7, None), (1.0, 30.0), (0.7, 0.5)])
+def test_fused_logps_and_entropies_match_trl(tmp_path, temperature, softcap):
+    """Qwen2, and a Gemma 2 head soft-capped at its default 30 and at 0.5 (the cap bends these logits: the kernel
+    must cap them, before the temperature, as the model's forward and TRL's division do)."""
+    model = None if softcap is None else tiny_gemma2(softcap)
+    trainer = make_trainer(tmp_path, temperature=temperature, model=model)
     model = trainer.model
     ids, mask, keep = padded_batch()
     gen = torch.Generator().manual_seed(2)

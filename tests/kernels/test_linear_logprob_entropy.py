@@ -273,7 +273,7 @@ def test_triton_vocab_splits_combine_exactly(splits):
     from fastcov.kernels._stats import finalize
 
     valid = labels != IGNORE
-    for got, want in zip(finalize(stats, valid, 40, True), finalize(ref_stats, valid, 40, True), strict=True):
+    for got, want in zip(finalize(stats, valid, 40, True, True), finalize(ref_stats, valid, 40, True, True), strict=True):
         torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-4)
     torch.testing.assert_close(top_z, ref_top_z, atol=2e-5, rtol=2e-4)
     assert torch.equal(top_index, ref_top_index)
@@ -317,7 +317,7 @@ def test_triton_backward_poisons_the_dz_buffer(monkeypatch):
     stats, _ = triton_kernels.stats_forward(hidden, weight, None, labels, 1.0, 0, want_cov=False)
     from fastcov.kernels._stats import finalize
 
-    lse, _, ent, _ = finalize(stats, labels != IGNORE, 33, False)
+    lse, _, ent, _, _ = finalize(stats, labels != IGNORE, 33, False)
     monkeypatch.setattr(triton_kernels, "POISON", True)
     dh, dw, _ = triton_kernels.grad_backward(hidden, weight, None, labels, 1.0, lse, ent, g, e)
     assert torch.isfinite(dh).all() and torch.isfinite(dw).all()

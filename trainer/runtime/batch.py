@@ -47,6 +47,12 @@ class Sequence:
     rollout_weight: list[float] | None = None
     # rollout.async: the step whose weights drew it (the engine's version); None: drawn by the policy as it is.
     policy_version: int | None = None
+    # Σπ² of each response token's distribution under the policy of step 4 (algo.adv_estimator
+    # optimal_token_baseline), from the same fused pass as ``old_logprob``.
+    old_sum_p2: list[float] | None = None
+    # The temperature the rollout sampled this sequence with: the policy's forward scores its tokens at it
+    # (per token, through the fused kernel, when a micro-batch holds sequences sampled at different ones).
+    temperature: float | None = None
 
     def __len__(self) -> int:
         return len(self.prompt) + len(self.response)
@@ -63,6 +69,8 @@ class MicroBatch:
     ``seq_index[i]`` is the index (in the list given to ``micro_batches``) of the i-th sequence held
     here and ``spans[i] = (row, start, n)`` the place of its response labels: row ``row``, columns
     ``start .. start + n - 1``. ``weight`` 0 marks a filler micro-batch whose loss is discarded.
+    ``temperature``: the sequences' sampling temperature, a float when they share one (or None when none
+    recorded it), else fp32 [B, L] with each sequence's on its positions (1 on padding).
     """
 
     input_ids: torch.Tensor
@@ -75,6 +83,7 @@ class MicroBatch:
     spans: list[tuple[int, int, int]] = field(default_factory=list)
     weight: float = 1.0
     position_ids: torch.Tensor | None = None
+    temperature: float | torch.Tensor | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -83,6 +92,10 @@ class MicroBatch:
     @property
     def packed(self) -> bool:
         return self.position_ids is not None
+
+    def temperature_or(self, default: float) -> float | torch.Tensor:
+        """The temperature to score these tokens at: the sequences' own (``temperature``), else ``default``."""
+        return self.temperature if self.temperature is not None else default
 
     def model_inputs(self) -> dict[str, torch.Tensor]:
         """Keyword arguments of ``PolicyModel.forward`` for this layout."""
@@ -168,7 +181,29 @@ def collate_rows(seqs: list[Sequence], rows: list[list[int]], index: list[int], 
         pos[r, at:] = torch.arange(L - at)  # the padding is a segment of its own
     mask = (labels != IGNORE).float()
     return MicroBatch(ids.to(device), att.to(device), labels.to(device), mask.to(device), adv.to(device),
-                      old.to(device), seq_index, spans, weight, pos.to(device) if packed else None)
+                      old.to(device), seq_index, spans, weight, pos.to(device) if packed else None,
+                      _row_temperatures(seqs, rows, (B, L), device))
+
+
+def _row_temperatures(seqs: list[Sequence], rows: list[list[int]], shape: tuple[int, int],
+                      device: torch.device) -> float | torch.Tensor | None:
+    """The micro-batch's ``temperature``: None when no sequence recorded one, the shared value when all did alike,
+    else fp32 [B, L] holding each sequence's on its positions (a sequence that recorded none takes the first
+    recorded value)."""
+    held = [seqs[i].temperature for row in rows for i in row]
+    recorded = [t for t in held if t is not None]
+    if not recorded:
+        return None
+    if all(t == recorded[0] for t in held):
+        return float(recorded[0])
+    out = torch.ones(shape, dtype=torch.float32)
+    for r, row in enumerate(rows):
+        at = 0
+        for i in row:
+            t = seqs[i].temperature
+            out[r, at : at + len(seqs[i])] = recorded[0] if t is None else t
+            at += len(seqs[i])
+    return out.to(device)
 
 
 def pack(lengths: list[int], budget: int) -> list[list[int]]:

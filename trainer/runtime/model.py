@@ -204,6 +204,9 @@ class PolicyModel(nn.Module):
         super().__init__()
         decoder_of(lm)  # refuse, at build time, a model whose logits are not lm_head(last hidden state)
         self.lm = lm
+        from fastcov.integrations.transformers import logit_softcap
+
+        self.softcap = logit_softcap(lm)
 
     def register_external_head(self) -> None:
         from deepspeed.runtime.zero import register_external_parameter
@@ -214,14 +217,16 @@ class PolicyModel(nn.Module):
             register_external_parameter(self, head.bias)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor,
-                temperature: float = 1.0, entropy: bool = True, vocab_cov: bool = False,
-                position_ids: torch.Tensor | None = None):
+                temperature: float | torch.Tensor = 1.0, entropy: bool = True, vocab_cov: bool = False,
+                position_ids: torch.Tensor | None = None, sum_p2: bool = False):
         """input_ids, attention_mask, labels: int64 [B, T] (labels[t] is the token that follows position t,
         ``-100`` where no loss is taken). Without ``position_ids``: one right-padded sequence per row.
         With ``position_ids`` (int64 [B, T]): packed rows, several sequences per row whose positions
         restart at 0 at each sequence start (and at the trailing padding); attention stays inside each
-        sequence (``packed_attention``). Returns fastcov's LogprobEntropy with fp32 ``logprob``/``entropy``
-        of shape [B, T] (0 at ignored positions)."""
+        sequence (``packed_attention``). ``temperature``: a float, or fp32 [B, T] (one per position: the
+        sequences' own sampling temperatures). ``sum_p2``: also Σπ² per position. A soft-capped head (Gemma 2's
+        ``final_logit_softcapping``) is capped as the model caps it. Returns fastcov's LogprobEntropy with fp32
+        ``logprob``/``entropy`` of shape [B, T] (0 at ignored positions)."""
         from fastcov import linear_logprob_entropy
 
         if position_ids is None:
@@ -237,7 +242,7 @@ class PolicyModel(nn.Module):
         if hidden.dtype != weight.dtype:
             hidden = hidden.to(weight.dtype)
         return linear_logprob_entropy(hidden, weight, labels, bias=bias, temperature=temperature,
-                                      entropy=entropy, vocab_cov=vocab_cov)
+                                      entropy=entropy, vocab_cov=vocab_cov, sum_p2=sum_p2, softcap=self.softcap)
 
 
 def packed_attention(position_ids: torch.Tensor, attn_implementation: str, dtype: torch.dtype):

@@ -10,6 +10,10 @@ reinforce_pp without ``algo.kl_coef``), else an object whose ``apply`` runs betw
 * ``prime``: the implicit PRM (trainer/token_level/prime.py) updated on the batch, its token rewards
   β·log(π_rm/π_ref), leave-one-out baselines, returns, whitening over the batch.
 
+``optimal_token_baseline`` needs no model: ``optimal_token_baseline_advantages`` runs after the old log-probs and
+the rollout correction (its weights ρ scale the token energies, as verl's ``rollout_is_weights``) and sets
+``token_advantages`` from the old log-probs and Σπ² of the same fused pass (``Sequence.old_sum_p2``).
+
 The reference is the model as built at the start of the run (before a resume loads the policy), i.e.
 the initial policy, as both papers use. With a LoRA policy it is the policy itself with its adapters
 switched off (the frozen base, no second copy; ``bind_policy``); PRIME's reward model is then a copy
@@ -34,6 +38,46 @@ def _pad(rows: list[list[float]], width: int, device) -> torch.Tensor:
         if r:
             out[i, : len(r)] = torch.tensor(r, dtype=torch.float32, device=device)
     return out
+
+
+# the estimators whose advantages are per token and set after step 4 (the sequence-level pass uses RLOO as a
+# placeholder for them)
+TOKEN_LEVEL_ESTIMATORS = ("prime", "optimal_token_baseline")
+
+
+def optimal_token_baseline_advantages(seqs, device: torch.device) -> dict[str, float]:
+    """OTB (``fastcov.token_advantages.optimal_token_baseline``) on this rank's sequences, grouped by prompt
+    (``Sequence.group``; a group's sequences are all on one rank): the outcome reward at each response's last
+    token, π and Σπ² from step 4, ρ from the rollout correction when it ran. Sets ``token_advantages`` (and the
+    sequence's mean as ``advantage``). Returns ``sum_p2`` and ``otb_energy``, the means of Σπ² and of
+    w = 1 − 2π + Σπ² over the response tokens of every rank (every rank must call it)."""
+    missing = [i for i, s in enumerate(seqs) if s.old_logprob is None or s.old_sum_p2 is None]
+    if missing:
+        raise ValueError(f"optimal_token_baseline: sequences {missing[:5]} have no old_logprob/old_sum_p2 (step 4)")
+    width = max([len(s.response) for s in seqs] + [1])
+    mask = torch.zeros((len(seqs), width), dtype=torch.bool, device=device)
+    rewards = torch.zeros((len(seqs), width), dtype=torch.float32, device=device)
+    for i, s in enumerate(seqs):
+        mask[i, : len(s.response)] = True
+        if s.response:
+            rewards[i, len(s.response) - 1] = s.reward
+    old = _pad([s.old_logprob for s in seqs], width, device)
+    sum_p2 = _pad([s.old_sum_p2 for s in seqs], width, device)
+    weights = (_pad([s.rollout_weight for s in seqs], width, device)
+               if seqs and all(s.rollout_weight is not None for s in seqs) else None)
+    groups = torch.tensor([s.group for s in seqs], dtype=torch.long, device=device)
+    if seqs:
+        adv, _ = ta.optimal_token_baseline(rewards, mask, groups, old, sum_p2, weights)
+    else:
+        adv = torch.zeros_like(rewards)
+    for i, s in enumerate(seqs):
+        s.token_advantages = adv[i, : len(s.response)].tolist()
+        s.advantage = float(adv[i, : len(s.response)].mean()) if s.response else 0.0
+    energy = 1.0 - 2.0 * old.double().exp() + sum_p2.double()
+    tok = all_reduce_(torch.stack([torch.where(mask, sum_p2.double(), 0.0).sum(), torch.where(mask, energy, 0.0).sum(),
+                                   mask.sum().double()]))
+    count = tok[2].clamp(min=1)
+    return {"sum_p2": float(tok[0] / count), "otb_energy": float(tok[1] / count)}
 
 
 def prime_keep(rewards: torch.Tensor, n: int, kind: str, low: float, high: float) -> torch.Tensor:

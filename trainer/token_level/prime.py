@@ -29,13 +29,14 @@ from fastcov.trainer.runtime.distributed import all_reduce_
 def response_logprobs(model, seqs, pad_id: int, device: torch.device, batch_kw: dict, temperature: float
                       ) -> list[list[float]]:
     """log π(y_t) of every response token of ``seqs`` under ``model`` (a PolicyModel or the DeepSpeed engine
-    around one), no grad, in ``model``'s current mode. Every rank must call: micro-batch counts agree."""
+    around one), no grad, in ``model``'s current mode, each sequence at the temperature it was sampled with
+    (``temperature`` where it recorded none). Every rank must call: micro-batch counts agree."""
     from fastcov.trainer.runtime.batch import micro_batches
 
     out: list[list[float]] = [[] for _ in seqs]
     with torch.no_grad():
         for mb in micro_batches(seqs, pad_id=pad_id, device=device, **batch_kw):
-            res = model(**mb.model_inputs(), temperature=temperature, entropy=False)
+            res = model(**mb.model_inputs(), temperature=mb.temperature_or(temperature), entropy=False)
             if mb.weight == 0:
                 continue
             for si, (row, start, n) in zip(mb.seq_index, mb.spans, strict=True):
@@ -114,7 +115,7 @@ class ImplicitPRM(FrozenModel):
             return {"prm_loss": 0.0, "prm_acc": 0.0}
         loss_sum = correct = 0.0
         for mb in micro_batches(seqs, pad_id=pad_id, device=device, **batch_kw):
-            res = self.model(**mb.model_inputs(), temperature=temperature, entropy=False)
+            res = self.model(**mb.model_inputs(), temperature=mb.temperature_or(temperature), entropy=False)
             if mb.weight == 0 or not mb.seq_index:
                 continue
             width = max(n for _, _, n in mb.spans)
