@@ -11,9 +11,6 @@ A name that used to be exported here still resolves, with a FutureWarning naming
 Importing this package never imports deepspeed, vllm or transformers.
 """
 
-import importlib as _importlib
-import warnings as _warnings
-
 from fastcov import (  # noqa: F401 - the sub-modules are the library's other public surfaces (docs/api.md)
     advantages,
     correction,
@@ -28,6 +25,7 @@ from fastcov import (  # noqa: F401 - the sub-modules are the library's other pu
     selection,
     token_advantages,
 )
+from fastcov._moved import moved_attribute as _moved_attribute
 from fastcov.advantages import get_advantage, register_advantage
 from fastcov.correction import rollout_correction
 from fastcov.entropy_control import EntropyController
@@ -85,13 +83,4 @@ _MOVED = {
 
 def __getattr__(name: str) -> object:
     """A name that left ``__all__``: the object from its new home, with a FutureWarning naming it."""
-    home = _MOVED.get(name)
-    if home is None:
-        raise AttributeError(f"module 'fastcov' has no attribute {name!r}")
-    _warnings.warn(f"fastcov.{name} is deprecated: use {home}.{name}", FutureWarning, stacklevel=2)
-    try:
-        module = _importlib.import_module(home)
-    except ImportError:  # an installed fastcov without the repository's bench/
-        raise AttributeError(f"fastcov.{name} moved out of the library to {home}.{name}, the repository's "
-                             f"{home.replace('.', '/')}.py; run it from a checkout of fastcov") from None
-    return getattr(module, name)
+    return _moved_attribute("fastcov", name, _MOVED)

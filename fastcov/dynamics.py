@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import torch
 
+from fastcov._moved import moved_attribute
+
 __all__ = [
     "UPDATES",
     "check_logits",
@@ -127,3 +129,20 @@ def predicted_entropy_change(logits: torch.Tensor, delta_logits: torch.Tensor | 
     assert advantages is not None  # exactly one of delta_logits or advantages
     return -logprob_covariance(logits, policy_gradient_step(logits, advantages, lr, update=update))
 
+
+
+# The simulator and its figure, here up to 0.4 -> where they are now (in a checkout of the repository).
+_MOVED = {
+    **dict.fromkeys(("TabularProblem", "DynamicsConfig", "DynamicsRun", "simulate", "grpo_advantages",
+                     "TABULAR_LOSS_OVERRIDES"), "bench.tabular_dynamics"),
+    **dict.fromkeys(("compare_methods", "plot_runs", "DEFAULT_METHODS"), "bench.tabular_figure"),
+}
+
+
+def __getattr__(name: str) -> object:
+    return moved_attribute(__name__, name, _MOVED)
+
+
+if __name__ == "__main__":
+    raise SystemExit("python -m fastcov.dynamics moved out of the library: python -m bench.tabular_figure, "
+                     "from a checkout of fastcov")

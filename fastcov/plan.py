@@ -11,6 +11,7 @@ import argparse
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 GIB = 1024**3
 
@@ -517,17 +518,13 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--gpu-memory: must be a finite number of GiB > 0, got {args.gpu_memory}")
 
 
-def _plan_config(args: argparse.Namespace) -> MemoryPlan:
-    from fastcov.trainer.config import ConfigError, load_config
-
+def _plan_config(args: argparse.Namespace, recipe: Any) -> MemoryPlan:
     gpus = 8 if args.gpus is None else args.gpus
     if gpus < 1:
         raise ValueError(f"--gpus: must be >= 1, got {gpus}")
-    try:
-        cfg = load_config(args.config, [])
-    except ConfigError as exc:
-        raise ValueError(f"--config: {exc}") from None
-    return plan_recipe(cfg, gpus=gpus, gpu_memory_gib=args.gpu_memory)
+    if recipe is None:  # the library never reads a trainer config: `fastcov plan` (trainer/commands/plan.py) does
+        raise ValueError("--config: the trainer config must be read first; run `fastcov plan --config`")
+    return plan_recipe(recipe, gpus=gpus, gpu_memory_gib=args.gpu_memory)
 
 
 def plan_response(model: ModelShape, response: int, *, prompt_len: int = 512, rollouts: int = 8,
@@ -584,14 +581,16 @@ def _run_max_response(args: argparse.Namespace) -> int:
     return 0
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, recipe: Any = None) -> int:
+    """``fastcov plan``'s work, ``args`` from ``add_arguments``; ``recipe``: the trainer config ``--config`` names,
+    already read by the trainer's side of the command (trainer/commands/plan.py)."""
     try:
         if args.max_response:
             if args.model is None:
                 raise ValueError("--max-response needs --model")
             return _run_max_response(args)
         if args.config:
-            plan = _plan_config(args)
+            plan = _plan_config(args, recipe)
             print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
             return 0 if plan.fits() else 1
         if args.model is None:

@@ -410,7 +410,7 @@ def test_internal_bugs_keep_their_traceback(monkeypatch):
     from fastcov import plan
     from fastcov.cli import main
 
-    def broken(args):
+    def broken(args, **kwargs):
         raise KeyError("a bug, not a user error")
 
     monkeypatch.setattr(plan, "run", broken)
