@@ -1,7 +1,7 @@
 """A GRPO simulator on a tabular softmax policy: entropy dynamics over whole runs.
 
 The first-order theory it checks (Lemma 1, Theorems 1 and 2 of Cui et al. 2025) is the library's
-``fastcov.dynamics``; the simulator left the library in 0.5 (it was part of ``fastcov.dynamics``).
+``fastcov.dynamics``; the simulator left the library after 0.4 (it was part of ``fastcov.dynamics``).
 
 Simulator: :class:`TabularProblem` holds P prompts × K candidate answers (logits [P, K] and a fixed
 verifiable correct/incorrect table); :func:`simulate` runs GRPO on it — n samples per prompt from π,

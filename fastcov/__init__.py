@@ -63,7 +63,7 @@ __all__ = [
     "EntropyController",
 ]
 
-# Names exported here before 0.5 -> the module that owns them. ``fastcov.NAME`` and ``from fastcov import NAME``
+# Names exported here up to 0.4 -> the module that owns them. ``fastcov.NAME`` and ``from fastcov import NAME``
 # still give the object, with a one-line FutureWarning naming its home (tests/library/test_public_api.py).
 _MOVED = {
     **dict.fromkeys(("grpo", "dr_grpo", "rloo", "reinforce_pp", "dapo_filter", "broadcast_to_tokens",

@@ -88,3 +88,13 @@ def test_the_library_imports_with_the_trainer_unavailable():
             "assert not [m for m in sys.modules if m.startswith('fastcov.trainer.')]\n")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+def test_docs_api_lists_every_name_that_left_with_its_home():
+    section = (ROOT / "docs" / "api.md").read_text(encoding="utf-8").split("### Names that left the top level")[1]
+    rows = [line for line in section.split("\n## ")[0].splitlines() if line.startswith("| `") or line.startswith("| from")]
+    for moved in (fastcov._MOVED, fastcov.dynamics._MOVED):
+        for name, home in moved.items():
+            row = [r for r in rows if f"`{name}`" in r.split("|")[1]]
+            shown = f"{home.replace('.', '/')}.py" if home.startswith("bench.") else f"`{home}`"
+            assert len(row) == 1 and shown in row[0].split("|")[2], f"docs/api.md: `{name}` -> {shown}"
