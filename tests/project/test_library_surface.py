@@ -81,7 +81,7 @@ def test_the_library_imports_with_the_trainer_unavailable():
     """`import fastcov` and the planner (fastcov/plan.py) work where fastcov.trainer cannot be imported: the trainer's
     commands call the planner, the library never calls up (docs/design.md §8; test_architecture.py checks the source)."""
     code = ("import sys; sys.modules['fastcov.trainer'] = None\n"
-            "import fastcov, fastcov.plan, fastcov.cli, fastcov.law_cli\n"
+            "import fastcov, fastcov.plan, fastcov.plan_cli, fastcov.cli, fastcov.law_cli\n"
             "from fastcov.plan import load_model_shape, plan_memory\n"
             "plan = plan_memory(load_model_shape('qwen2.5-0.5b'), gpus=1, tokens_per_gpu=4096, zero_stage=0)\n"
             "assert plan.training_total > 0\n"

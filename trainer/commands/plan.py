@@ -1,17 +1,17 @@
-"""`fastcov plan`: the per-GPU memory planner of fastcov/plan.py, which needs no trainer. With ``--config`` the trainer
-config is read here and handed to the planner: the trainer calls the library, the library never reads the trainer's
-config (docs/design.md §8)."""
+"""`fastcov plan`: the per-GPU memory planner's command (fastcov/plan_cli.py), which needs no trainer. With ``--config``
+the trainer config is read here and handed to the planner: the trainer calls the library, the library never reads
+the trainer's config (docs/design.md §8)."""
 
 from __future__ import annotations
 
 import argparse
 
-from fastcov import plan as planner
+from fastcov import plan_cli
 from fastcov.errors import ConfigError, UsageError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    planner.add_arguments(parser)
+    plan_cli.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -23,4 +23,4 @@ def run(args: argparse.Namespace) -> int:
             recipe = load_config(args.config, [])
         except ConfigError as exc:
             raise UsageError(f"--config: {exc}") from None
-    return planner.run(args, recipe=recipe)
+    return plan_cli.run(args, recipe=recipe)
