@@ -3,7 +3,7 @@
     python -m bench.entropy_controllers --target 1.5 0.6     # 5 knobs x 3 rules x 3 seeds x 2 targets
     python -m bench.entropy_controllers --steps 200 --seeds 0
 
-Each run is ``fastcov.dynamics.simulate`` (64 prompts x 64 answers, GRPO, 4 mini-batches per rollout, vanilla
+Each run is ``bench.tabular_dynamics.simulate`` (64 prompts x 64 answers, GRPO, 4 mini-batches per rollout, vanilla
 policy gradient, lr 0.1) with an ``EntropyController`` in its loop: the knob's value goes into every step's
 LossConfig and the controller takes the mean policy entropy after every rollout batch. Without control the
 entropy falls from 3.6 to ~0.4 nats in 200 steps; the target is 1.5 nats. Reported per knob and rule, mean over
@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fastcov.dynamics import DynamicsConfig, TabularProblem, simulate
+from bench.tabular_dynamics import DynamicsConfig, TabularProblem, simulate
 from fastcov.entropy_control import EntropyController
 
 TARGET = 1.5

@@ -30,7 +30,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("fastcov.trainer.commands.eval", "evaluate a checkpoint (avg@k, pass@k, diversity, calibration)"),
     "report": ("fastcov.trainer.commands.report", "write report.md and plots from run directories"),
     "fit-law": ("fastcov.law_cli", "fit the entropy law R = -a*exp(H) + b to a metrics.jsonl"),
-    "plan": ("fastcov.plan", "per-GPU memory plan for a model, GPU count and token budget"),
+    "plan": ("fastcov.trainer.commands.plan", "per-GPU memory plan for a model, GPU count and token budget"),
     "push": ("fastcov.trainer.commands.push", "upload a run's final model to the Hugging Face Hub"),
 }
 

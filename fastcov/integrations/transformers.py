@@ -224,12 +224,6 @@ def decoder_and_head(model, *, allow_unlisted: bool = False):
     return decoder, head
 
 
-def check_model(model, *, allow_unlisted: bool = False) -> None:
-    """Raise ``UnsupportedModelError`` (naming the class and attribute) unless the fused path equals ``model``'s
-    own log_softmax(logits); see the module docstring."""
-    decoder_and_head(model, allow_unlisted=allow_unlisted)
-
-
 def fused_logprob_entropy(model: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor, *,
                           temperature: float = 1.0, vocab_cov: bool = False, impl: str = "auto",
                           ignore_index: int = -100) -> LogprobEntropy:

@@ -161,8 +161,8 @@ def test_gate_uses_the_knobs_off_value():
 
 
 def test_public_api():
-    assert fastcov.EntropyController is EntropyController and fastcov.all_rank_entropy is all_rank_entropy
-    assert fastcov.entropy_advantage is fastcov.advantages.entropy_advantage
+    assert fastcov.EntropyController is EntropyController
+    assert fastcov.entropy_control.all_rank_entropy is all_rank_entropy
 
 
 # ---------------------------------------------------------------- all-rank entropy: 2 processes = 1 process
@@ -215,7 +215,7 @@ def test_entropy_advantage_formula(seed):
     ent = (torch.rand(5, 9, generator=gen) * 4).requires_grad_()
     mask = torch.rand(5, 9, generator=gen) < 0.8
     alpha, kappa = float(torch.rand(1, generator=gen)) + 0.05, 2.0
-    out = fastcov.entropy_advantage(adv, ent, mask, alpha=alpha, kappa=kappa)
+    out = fastcov.advantages.entropy_advantage(adv, ent, mask, alpha=alpha, kappa=kappa)
     for i in range(5):
         for t in range(9):
             a, h = float(adv[i, t]), float(ent[i, t].detach())
@@ -224,7 +224,7 @@ def test_entropy_advantage_formula(seed):
     valid = mask & (adv != 0)
     assert torch.all(torch.sign(out[valid]) == torch.sign(adv[valid]))  # κ > 1 never flips a sign
     assert torch.all(out[~mask] == 0) and not out.requires_grad  # the entropy is detached
-    assert torch.equal(fastcov.entropy_advantage(adv, ent, alpha=0.0, kappa=kappa), adv)
+    assert torch.equal(fastcov.advantages.entropy_advantage(adv, ent, alpha=0.0, kappa=kappa), adv)
 
 
 @pytest.mark.parametrize("kwargs, word", [(dict(alpha=-1.0), "alpha"), (dict(kappa=0.0), "kappa"),
@@ -232,9 +232,9 @@ def test_entropy_advantage_formula(seed):
 def test_entropy_advantage_bad_arguments(kwargs, word):
     args = dict(alpha=0.1, kappa=2.0) | kwargs
     with pytest.raises(ValueError, match=word):
-        fastcov.entropy_advantage(torch.zeros(2, 3), torch.zeros(2, 3), **args)
+        fastcov.advantages.entropy_advantage(torch.zeros(2, 3), torch.zeros(2, 3), **args)
     with pytest.raises(ValueError, match="one shape"):
-        fastcov.entropy_advantage(torch.zeros(2, 3), torch.zeros(2, 4), alpha=0.1, kappa=2.0)
+        fastcov.advantages.entropy_advantage(torch.zeros(2, 3), torch.zeros(2, 4), alpha=0.1, kappa=2.0)
 
 
 def test_the_controller_bench_runs_in_the_simulators_loop(tmp_path):
@@ -345,10 +345,10 @@ def test_pi_settles_on_a_toy_plant_where_the_proportional_term_keeps_an_offset()
 
 
 def test_pi_settles_in_the_tabular_simulator_where_the_proportional_term_keeps_an_error():
-    """fastcov.dynamics' GRPO on 64 prompts × 64 answers (uncontrolled: 3.6 → ~0.4 nats in 300 steps), β of
+    """The tabular simulator's GRPO (bench/tabular_dynamics.py) on 64 prompts × 64 answers (uncontrolled: 3.6 → ~0.4 nats in 300 steps), β of
     KL-Cov driven to 1.5 nats. PI (kp 5, ki 1) ends with the mean signed error over the last 100 steps near 0;
     the proportional term alone (ki 0) stops where β = 1 + 5·e balances GRPO's pull, ~1 nat short."""
-    from fastcov.dynamics import DynamicsConfig, TabularProblem, simulate
+    from bench.tabular_dynamics import DynamicsConfig, TabularProblem, simulate
 
     target, ends = 1.5, {}
     for ki in (1.0, 0.0):

@@ -407,13 +407,13 @@ def test_debug_shows_the_traceback(tmp_path, monkeypatch):
 
 
 def test_internal_bugs_keep_their_traceback(monkeypatch):
-    from fastcov import plan
+    from fastcov import plan_cli
     from fastcov.cli import main
 
-    def broken(args):
+    def broken(args, **kwargs):
         raise KeyError("a bug, not a user error")
 
-    monkeypatch.setattr(plan, "run", broken)
+    monkeypatch.setattr(plan_cli, "run", broken)
     with pytest.raises(KeyError):
         main(["plan", "--model", "qwen2.5-7b", "--gpus", "1", "--tokens-per-gpu", "8"])
 
