@@ -44,7 +44,7 @@ from fastcov.ops import LogprobEntropy, VocabParallel, linear_logprob_entropy, l
 _configure_logging()  # fastcov's own messages: the "fastcov" logger, rank 0, FASTCOV_LOG_LEVEL (fastcov/log.py)
 
 # The one place the version is written (pyproject.toml reads it); semantic versioning, CHANGELOG.md.
-__version__ = "0.4.0"
+__version__ = "0.5.0"
 
 __all__ = [
     "linear_logprob_entropy",
