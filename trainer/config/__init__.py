@@ -41,13 +41,13 @@ __all__ = ["LORA_TARGETS", "MOVED_KEYS", "SELECTION_FREE_MODES", "TRACKER_INSTAL
            "apply_overrides", "config_from_dict", "config_key", "load_config", "positive_weight_schedule",
            "save_config", "validate"]
 
-# the run-time builders moved to the loop (0.5.0): still found here, with a one-line FutureWarning
+# the run-time builders moved to the loop (after 0.5.0): still found here, with a one-line FutureWarning
 _MOVED = {"loss_config": "fastcov.trainer.controls", "entropy_controller": "fastcov.trainer.controls",
           "rollout_correction_enabled": "fastcov.trainer.controls"}
 
 
 def __getattr__(name: str) -> object:
-    if name == "LOSS_FIELDS":  # 0.5.0: algo.loss is fastcov.losses.LossConfig itself
+    if name == "LOSS_FIELDS":  # after 0.5.0, algo.loss is fastcov.losses.LossConfig itself
         import warnings
 
         from fastcov.losses import LossConfig

@@ -29,7 +29,7 @@ MOVED_KEYS = {
     **{f"algo.pos_weight_{old}": f"algo.pos_weight.{new}" for old, new in (
         ("schedule", "enabled"), ("kind", "kind"), ("init", "init"), ("target_entropy", "target_entropy"),
         ("delta", "delta"), ("stages", "stages"), ("values", "values"), ("steps_per_epoch", "steps_per_epoch"))},
-    # 0.5.0: the loss's hyperparameters are fastcov.losses.LossConfig itself, nested as algo.loss
+    # after 0.5.0: the loss's hyperparameters are fastcov.losses.LossConfig itself, nested as algo.loss
     **{f"algo.{name}": f"algo.loss.{name}" for name in (
         "clip_low", "clip_high", "dual_clip_c", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio",
         "kl_cov_coef", "cispo_clip_max", "cispo_clip_min", "sapo_tau_pos", "sapo_tau_neg", "vespo_k_pos",
