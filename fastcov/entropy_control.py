@@ -69,20 +69,18 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["EntropyController", "KNOBS", "LOSS_FIELDS", "RULES", "Knob", "all_rank_entropy", "controlled",
-           "knob_value", "parse_target"]
+           "parse_target"]
 
 RULES = ("step", "proportional", "pi")
 
 
 @dataclass(frozen=True)
 class Knob:
-    """What the controller knows about a knob: ``direction`` +1 if raising it raises the entropy, −1 if
-    lowering it does; ``neutral``: the value that turns it off (None: it has none, ``gate`` is refused);
-    ``low``/``high``: the range of values it accepts (``low_open``: ``low`` excluded); ``default_min`` /
+    """A knob, in ``KNOBS`` (the one table; the trainer's config and the TRL integration read it): ``direction`` +1
+    if raising it raises the entropy, −1 if lowering it does; ``neutral``: its off value (None: none, ``gate`` is
+    refused); ``low``/``high``: the values it accepts (``low_open``: ``low`` excluded); ``default_min`` /
     ``default_max``: the bounds when none are given (None: ``low`` / ``high``); ``loss_field``: the
-    ``fastcov.losses.LossConfig`` field it sets; ``modes``: the loss modes that read that field (None: every mode).
-
-    ``KNOBS`` is the one table of knobs: the trainer's config and the TRL integration read it."""
+    ``fastcov.losses.LossConfig`` field it sets; ``modes``: the loss modes that read it (None: every mode)."""
 
     direction: int
     neutral: float | None
@@ -104,13 +102,11 @@ KNOBS: dict[str, Knob] = {
                            modes=("clip_cov",)),
     "pos_weight": Knob(-1, 1.0, 0.0, 1.0, loss_field="pos_adv_weight"),
 }
-# the fastcov.losses.LossConfig field each knob sets (a view of KNOBS)
-LOSS_FIELDS = {name: knob.loss_field for name, knob in KNOBS.items()}
+LOSS_FIELDS = {name: knob.loss_field for name, knob in KNOBS.items()}  # the LossConfig field each knob sets
 _CONFIG_KEYS = ("target", "knob", "rule", "init", "delta", "gain", "kp", "ki", "integral_max", "min", "max", "gate",
                 "inclusive", "window", "target_end", "target_steps")
 # the keys added after the first release: a checkpoint written before them holds none, and means these values
-_LATER_DEFAULTS = {"kp": None, "ki": None, "integral_max": None, "window": None, "target_end": None,
-                   "target_steps": None}
+_LATER_DEFAULTS = dict.fromkeys(("kp", "ki", "integral_max", "window", "target_end", "target_steps"))
 DEFAULT_WINDOW = 5
 
 
@@ -473,18 +469,11 @@ class EntropyController:
         return f"EntropyController({self.config()!r}, value={self.value:g}, updates={self.updates})"
 
 
-def knob_value(loss_config, knob: str) -> float:
-    """The value ``loss_config`` (a ``fastcov.losses.LossConfig``) holds for ``knob``: a controller's start when it
-    is given none (the inverse of ``controlled``)."""
-    return getattr(loss_config, KNOBS[knob].loss_field)
-
-
 def controlled(loss_config, controller: EntropyController | None):
     """``loss_config`` (a ``fastcov.losses.LossConfig``) with the controller's knob set to ``controller.applied``;
     ``loss_config`` itself when ``controller`` is None."""
-    if controller is None:
-        return loss_config
-    return dataclasses.replace(loss_config, **{KNOBS[controller.knob].loss_field: controller.applied})
+    return loss_config if controller is None else dataclasses.replace(
+        loss_config, **{KNOBS[controller.knob].loss_field: controller.applied})
 
 
 def all_rank_entropy(entropy_sum: float | torch.Tensor, token_count: float | torch.Tensor, group=None,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from fastcov.entropy_control import EntropyController, knob_value
+from fastcov.entropy_control import KNOBS, EntropyController
 from fastcov.losses import LossConfig
 from fastcov.trainer.config import AlgoConfig, Config
 
@@ -21,7 +21,7 @@ def entropy_controller(a: AlgoConfig) -> EntropyController | None:
     c = a.entropy_control
     if c.target is None:
         return None
-    return EntropyController.from_config(dataclasses.asdict(c), init=knob_value(a.loss, c.knob))
+    return EntropyController.from_config(dataclasses.asdict(c), init=getattr(a.loss, KNOBS[c.knob].loss_field))
 
 
 def rollout_correction_enabled(cfg: Config) -> bool:

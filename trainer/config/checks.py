@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 
-from fastcov.entropy_control import KNOBS, ArgumentError, EntropyController, knob_value
+from fastcov.entropy_control import KNOBS, ArgumentError, EntropyController
 from fastcov.errors import ConfigError
 from fastcov.trainer.config.algo import AlgoConfig
 from fastcov.trainer.config.base import check as _check
@@ -87,7 +87,7 @@ def _validate_entropy_control(a: AlgoConfig) -> None:
     _check(not (c.knob == "pos_weight" and a.pos_weight.enabled), "algo.entropy_control.knob",
            "pos_weight is already scheduled by algo.pos_weight.enabled; use one of the two")
     try:  # the library's own checks, on the controller the loop will build (fastcov.trainer.controls)
-        EntropyController.from_config(dataclasses.asdict(c), init=knob_value(a.loss, c.knob))
+        EntropyController.from_config(dataclasses.asdict(c), init=getattr(a.loss, KNOBS[c.knob].loss_field))
     except ArgumentError as exc:
         key = exc.argument if exc.argument in {f.name for f in dataclasses.fields(c)} else "knob"
         raise ConfigError(f"algo.entropy_control.{key}: {exc}") from None
