@@ -41,7 +41,7 @@ def _check_registered(cfg: Config) -> None:
             near = difflib.get_close_matches(str(value), list(registry.names()) + list(extra), n=1)
             hint = f" (did you mean {near[0]!r}?)" if near else ""
             raise ConfigError(f"{key}: unknown {registry.kind} {value!r}{hint}; registered: {names}")
-    _check(a.loss.cov_score != "random_matched" or MODES.get(a.mode).selector is not None, "algo.cov_score",
+    _check(a.loss.cov_score != "random_matched" or MODES.get(a.mode).selector is not None, "algo.loss.cov_score",
            f"random_matched is a control of a token selection, and algo.mode={a.mode} selects none (clip_cov, kl_cov)")
     _check_trackers(cfg.trainer.report_to)
 
