@@ -76,10 +76,11 @@ RULES = ("step", "proportional", "pi")
 
 @dataclass(frozen=True)
 class Knob:
-    """What the controller knows about a knob: ``direction`` +1 if raising it raises the entropy, −1 if
-    lowering it does; ``neutral``: the value that turns it off (None: it has none, ``gate`` is refused);
-    ``low``/``high``: the range of values it accepts (``low_open``: ``low`` excluded); ``default_min`` /
-    ``default_max``: the bounds when none are given (None: ``low`` / ``high``)."""
+    """A knob, in ``KNOBS`` (the one table; the trainer's config and the TRL integration read it): ``direction`` +1
+    if raising it raises the entropy, −1 if lowering it does; ``neutral``: its off value (None: none, ``gate`` is
+    refused); ``low``/``high``: the values it accepts (``low_open``: ``low`` excluded); ``default_min`` /
+    ``default_max``: the bounds when none are given (None: ``low`` / ``high``); ``loss_field``: the
+    ``fastcov.losses.LossConfig`` field it sets; ``modes``: the loss modes that read it (None: every mode)."""
 
     direction: int
     neutral: float | None
@@ -88,23 +89,24 @@ class Knob:
     low_open: bool = False
     default_min: float | None = None
     default_max: float | None = None
+    loss_field: str = dataclasses.field(kw_only=True)
+    modes: tuple[str, ...] | None = dataclasses.field(default=None, kw_only=True)
 
 
 KNOBS: dict[str, Knob] = {
-    "entropy_coef": Knob(+1, 0.0, 0.0, math.inf, default_max=1.0),
-    "kl_cov_coef": Knob(+1, 0.0, 0.0, math.inf, default_max=100.0),
-    "kl_cov_ratio": Knob(+1, None, 0.0, 1.0, low_open=True, default_min=1e-5),
-    "clip_cov_ratio": Knob(+1, None, 0.0, 1.0, low_open=True, default_min=1e-5),
-    "pos_weight": Knob(-1, 1.0, 0.0, 1.0),
+    "entropy_coef": Knob(+1, 0.0, 0.0, math.inf, default_max=1.0, loss_field="entropy_coef"),
+    "kl_cov_coef": Knob(+1, 0.0, 0.0, math.inf, default_max=100.0, loss_field="kl_cov_coef", modes=("kl_cov",)),
+    "kl_cov_ratio": Knob(+1, None, 0.0, 1.0, low_open=True, default_min=1e-5, loss_field="kl_cov_ratio",
+                         modes=("kl_cov",)),
+    "clip_cov_ratio": Knob(+1, None, 0.0, 1.0, low_open=True, default_min=1e-5, loss_field="clip_cov_ratio",
+                           modes=("clip_cov",)),
+    "pos_weight": Knob(-1, 1.0, 0.0, 1.0, loss_field="pos_adv_weight"),
 }
-# the fastcov.losses.LossConfig field each knob sets
-LOSS_FIELDS = {"entropy_coef": "entropy_coef", "kl_cov_coef": "kl_cov_coef", "kl_cov_ratio": "kl_cov_ratio",
-               "clip_cov_ratio": "clip_cov_ratio", "pos_weight": "pos_adv_weight"}
+LOSS_FIELDS = {name: knob.loss_field for name, knob in KNOBS.items()}  # the LossConfig field each knob sets
 _CONFIG_KEYS = ("target", "knob", "rule", "init", "delta", "gain", "kp", "ki", "integral_max", "min", "max", "gate",
                 "inclusive", "window", "target_end", "target_steps")
 # the keys added after the first release: a checkpoint written before them holds none, and means these values
-_LATER_DEFAULTS = {"kp": None, "ki": None, "integral_max": None, "window": None, "target_end": None,
-                   "target_steps": None}
+_LATER_DEFAULTS = dict.fromkeys(("kp", "ki", "integral_max", "window", "target_end", "target_steps"))
 DEFAULT_WINDOW = 5
 
 
@@ -470,9 +472,8 @@ class EntropyController:
 def controlled(loss_config, controller: EntropyController | None):
     """``loss_config`` (a ``fastcov.losses.LossConfig``) with the controller's knob set to ``controller.applied``;
     ``loss_config`` itself when ``controller`` is None."""
-    if controller is None:
-        return loss_config
-    return dataclasses.replace(loss_config, **{LOSS_FIELDS[controller.knob]: controller.applied})
+    return loss_config if controller is None else dataclasses.replace(
+        loss_config, **{KNOBS[controller.knob].loss_field: controller.applied})
 
 
 def all_rank_entropy(entropy_sum: float | torch.Tensor, token_count: float | torch.Tensor, group=None,

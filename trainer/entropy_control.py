@@ -18,7 +18,8 @@ from fastcov.advantages import entropy_advantage
 from fastcov.entropy_control import EntropyController
 from fastcov.entropy_control import controlled as controlled_loss_config
 from fastcov.losses import LossConfig
-from fastcov.trainer.config import AlgoConfig, entropy_controller
+from fastcov.trainer.config import AlgoConfig
+from fastcov.trainer.controls import entropy_controller
 from fastcov.trainer.runtime.distributed import all_sum
 
 

@@ -85,8 +85,9 @@ def step_metrics(run: Run, rewards: list[float], prompts: list[list[int]], token
         run.warned["empty_band"] = True
         warnings.warn(
             f"step {run.step}: Clip-Cov selected no token: no selection score fell in the band "
-            f"({a.clip_cov_lb:g}, {a.clip_cov_ub:g}) (cov_score={a.cov_score}: mean {rec['cov_mean']:.3g}, "
-            f"max {rec['cov_max']:.3g} this step); widen algo.clip_cov_lb/clip_cov_ub to the scores' scale "
+            f"({a.loss.clip_cov_lb:g}, {a.loss.clip_cov_ub:g}) (cov_score={a.loss.cov_score}: "
+            f"mean {rec['cov_mean']:.3g}, "
+            f"max {rec['cov_max']:.3g} this step); widen algo.loss.clip_cov_lb/clip_cov_ub to the scores' scale "
             "(said once per run)", stacklevel=1)
     if sel > 0:  # which tokens Clip-Cov/KL-Cov acted on: advantage sign, probability, covariance
         rec["sel/tokens_per_update"] = sel * m_n / max(a.ppo_epochs * upd.n_mini, 1)
@@ -108,7 +109,7 @@ def selection_diagnostics(run: Run, upd: UpdateStats, sel: float, m_n: float) ->
     out = {}
     if sel > 0 and a.scope == "global":
         out["sel/mean_pos"] = pos / (sel * max(m_n, 1))
-    if a.cov_score in ("random", "random_matched") and either > 0:
+    if a.loss.cov_score in ("random", "random_matched") and either > 0:
         out["sel/jaccard_vs_cov"] = both / either
     return out
 

@@ -35,7 +35,8 @@ import torch.distributed as dist
 from fastcov.advantages import dapo_filter, get_advantage
 from fastcov.losses import LossConfig, Selection, compute_global_selection, get_policy_loss, policy_loss
 from fastcov.trainer import entropy_control
-from fastcov.trainer.config import Config, loss_config, rollout_correction_enabled
+from fastcov.trainer.config import Config
+from fastcov.trainer.controls import loss_config, rollout_correction_enabled
 from fastcov.trainer.rollout import SamplingParams
 from fastcov.trainer.rollout.base import RolloutBatch, sample_seed
 from fastcov.trainer.rollout_correction import correct_rollouts
@@ -327,7 +328,7 @@ def update_policy(engine, seqs: list[Sequence], kept_groups: list[int], cfg: Con
             poisoned = False
             for j, mb in enumerate(mbs):
                 with offloaded():
-                    res = forward(engine, mb, cfg.rollout.temperature, vocab_cov=a.cov_score == "vocab")
+                    res = forward(engine, mb, cfg.rollout.temperature, vocab_cov=a.loss.cov_score == "vocab")
                 mb_selection = None
                 if selection is not None:
                     mb_selection = Selection(*(None if x is None else mb.from_sequences(x)
@@ -377,8 +378,8 @@ def logprobs_update_sync(run: Run, col: Collected, rec: dict) -> tuple[UpdateSta
     shaping = a.entropy_advantage.alpha > 0  # Cheng et al.'s shaping reads the rollout entropies
     with timed(times, "old_logprob"):
         old = compute_old_logprobs(run.engine, col.seqs, cfg, pad_id, run.device,
-                                   keep_entropy=(global_scope and a.high_entropy_fraction is not None) or shaping,
-                                   keep_vocab_cov=global_scope and a.cov_score == "vocab",
+                                   keep_entropy=(global_scope and a.loss.high_entropy_fraction is not None) or shaping,
+                                   keep_vocab_cov=global_scope and a.loss.cov_score == "vocab",
                                    keep_sum_p2=a.adv_estimator == "optimal_token_baseline")
     if run.token_adv is not None:  # REINFORCE++ with KL penalty, PRIME: token-level advantages
         with timed(times, "token_rewards"):
@@ -390,7 +391,7 @@ def logprobs_update_sync(run: Run, col: Collected, rec: dict) -> tuple[UpdateSta
     if shaping:  # A_t + min(alpha * H_t, |A_t| / kappa); logs entropy_advantage/bonus
         rec.update(entropy_control.shape_advantages(col.seqs, a, run.device))
     with timed(times, "update"):
-        rec["lambda"] = run.lam_sched.value if run.lam_sched is not None else a.pos_adv_weight
+        rec["lambda"] = run.lam_sched.value if run.lam_sched is not None else a.loss.pos_adv_weight
         lr = lr_at(run.engine.steps, cfg.optim, cfg.trainer.max_steps * a.ppo_epochs * a.mini_batches)
         loss_cfg = entropy_control.controlled(loss_config(a, pos_adv_weight=rec["lambda"]), run.entropy_ctl)
         upd = update_policy(run.engine, col.seqs, col.kept_groups, cfg, loss_cfg, lr, pad_id, run.device,

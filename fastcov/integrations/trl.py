@@ -114,13 +114,15 @@ import json
 import math
 import os
 import sys
+import typing
 import warnings
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from fastcov.correction import off_policy_sequence_mask, rollout_correction
-from fastcov.entropy_control import EntropyController
+from fastcov.entropy_control import KNOBS, EntropyController
 from fastcov.integrations._require import require
 from fastcov.losses import LossConfig, Selection, aggregate_loss, compute_global_selection, policy_loss
 
@@ -157,12 +159,28 @@ _IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask
 # loss types whose loss is PPO's token clip at importance_sampling_level="token" (what Clip-Cov selects inside)
 _TOKEN_CLIP_TYPES = ("dapo", "bnpo", "grpo", "dr_grpo", "luspo")
 _DEFAULTS = LossConfig()
+# LossConfig's fields TRL has no option of its own for: FastcovGRPOConfig carries them under their LossConfig names,
+# types and defaults (derived from LossConfig, not restated) and hands them to the loss unchanged
+LOSS_OPTIONS = ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "kl_cov_coef")
+
+
+def _loss_options() -> type:
+    """A dataclass of the ``LOSS_OPTIONS`` fields as LossConfig declares them (a base of FastcovGRPOConfig)."""
+    hints = typing.get_type_hints(LossConfig)
+    options = dataclasses.make_dataclass("FastcovLossOptions", [
+        (name, hints[name], field(default=getattr(_DEFAULTS, name), metadata={"help": f"fastcov LossConfig.{name}"}))
+        for name in LOSS_OPTIONS])
+    options.__module__ = __name__
+    return options
+
+
+_LossOptions: Any = _loss_options()
 _SELECTION_KEYS = ("fastcov_cov_selection", "fastcov_high_entropy_selection")
 _CONTROL_FILE = "fastcov_entropy_control.json"
 
 
 @dataclass
-class FastcovGRPOConfig(GRPOConfig):
+class FastcovGRPOConfig(GRPOConfig, _LossOptions):
     """``trl.GRPOConfig`` plus fastcov's loss options (see the module docstring for the mapping).
 
     fastcov_loss_mode: "auto" (default) | "vanilla" | "clip_cov" | "kl_cov". "auto" is "clip_cov" where TRL's loss is
@@ -177,11 +195,6 @@ class FastcovGRPOConfig(GRPOConfig):
     """
 
     fastcov_loss_mode: str = field(default="auto", metadata={"help": "auto | vanilla | clip_cov | kl_cov"})
-    clip_cov_ratio: float = field(default=_DEFAULTS.clip_cov_ratio, metadata={"help": "Clip-Cov token fraction"})
-    clip_cov_lb: float = field(default=_DEFAULTS.clip_cov_lb, metadata={"help": "Clip-Cov band, lower bound"})
-    clip_cov_ub: float = field(default=_DEFAULTS.clip_cov_ub, metadata={"help": "Clip-Cov band, upper bound"})
-    kl_cov_ratio: float = field(default=_DEFAULTS.kl_cov_ratio, metadata={"help": "KL-Cov token fraction"})
-    kl_cov_coef: float = field(default=_DEFAULTS.kl_cov_coef, metadata={"help": "KL-Cov coefficient β"})
     fastcov_scope: str = field(default="microbatch", metadata={"help": "microbatch | global"})
     fastcov_entropy_control: dict | str | None = field(
         default=None, metadata={"help": "target-entropy controller: target, knob, rule, init, delta, gain, min, max, "
@@ -289,10 +302,11 @@ class FastcovGRPOConfig(GRPOConfig):
         knob = spec.get("knob", "entropy_coef")
         if knob == "pos_weight":
             raise ValueError("fastcov_entropy_control: knob pos_weight is not available in TRL (no λ re-weighting)")
-        wanted = {"kl_cov_coef": "kl_cov", "kl_cov_ratio": "kl_cov", "clip_cov_ratio": "clip_cov"}.get(knob)
-        if wanted is not None and self.fastcov_cov_mode() != wanted:
-            raise ValueError(f"fastcov_entropy_control: knob {knob} acts only with fastcov_loss_mode={wanted!r}, "
-                             f"not {self.fastcov_loss_mode!r} ({self.fastcov_cov_mode()!r})")
+        modes = KNOBS[knob].modes if knob in KNOBS else None  # an unknown knob: the controller names it below
+        if modes is not None and self.fastcov_cov_mode() not in modes:
+            raise ValueError(f"fastcov_entropy_control: knob {knob} acts only with fastcov_loss_mode="
+                             f"{' / '.join(map(repr, modes))}, not {self.fastcov_loss_mode!r} "
+                             f"({self.fastcov_cov_mode()!r})")
         try:
             return EntropyController.from_config(spec, init=getattr(self, knob, None))
         except ValueError as exc:
@@ -342,11 +356,7 @@ class FastcovGRPOConfig(GRPOConfig):
             vespo_lambda_pos=float(self.vespo_lambda_pos),
             vespo_k_neg=float(self.vespo_k_neg),
             vespo_lambda_neg=float(self.vespo_lambda_neg),
-            clip_cov_ratio=self.clip_cov_ratio,
-            clip_cov_lb=self.clip_cov_lb,
-            clip_cov_ub=self.clip_cov_ub,
-            kl_cov_ratio=self.kl_cov_ratio,
-            kl_cov_coef=self.kl_cov_coef,
+            **{name: getattr(self, name) for name in LOSS_OPTIONS},
             high_entropy_fraction=None if self.top_entropy_quantile == 1.0 else float(self.top_entropy_quantile),
             loss_scale_factor=float(self.max_completion_length) if self.loss_type == "dr_grpo" else None,
         )

@@ -296,3 +296,25 @@ def test_peft_config_trains_only_the_adapters(tmp_path, beta):
     assert math.isfinite(logs["fastcov/ppo_kl"])
     if beta:
         assert math.isfinite(logs["kl"])
+
+
+def test_the_fastcov_loss_options_are_lossconfigs_own_fields(tmp_path):
+    """FastcovGRPOConfig's LossConfig options (clip_cov_ratio, ..., kl_cov_coef) take LossConfig's types and defaults
+    (derived from it, not restated) and reach the loss unchanged; the knob table is the library's."""
+    import dataclasses
+    import typing
+
+    from fastcov.integrations.trl import LOSS_OPTIONS
+    from fastcov.losses import LossConfig
+
+    fields = {f.name: f for f in dataclasses.fields(FastcovGRPOConfig)}
+    hints, trl_hints = typing.get_type_hints(LossConfig), typing.get_type_hints(FastcovGRPOConfig)
+    assert set(LOSS_OPTIONS) == {"clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "kl_cov_coef"}
+    for name in LOSS_OPTIONS:
+        assert fields[name].default == getattr(LossConfig(), name) and trl_hints[name] == hints[name], name
+    values = {"clip_cov_ratio": 0.013, "clip_cov_lb": 0.7, "clip_cov_ub": 4.2, "kl_cov_ratio": 0.021, "kl_cov_coef": 0.9}
+    loss = make_args(tmp_path, fastcov_loss_mode="kl_cov", **values).fastcov_loss_config()
+    assert {k: getattr(loss, k) for k in values} == values
+    with pytest.raises(ValueError, match=r"knob clip_cov_ratio acts only with fastcov_loss_mode='clip_cov'"):
+        make_args(tmp_path, fastcov_loss_mode="kl_cov",
+                  fastcov_entropy_control={"target": 0.3, "knob": "clip_cov_ratio", "delta": 1e-4})

@@ -622,7 +622,7 @@ def test_random_matched_is_a_config_option_that_needs_a_selection():
     assert LossConfig(cov_score="random_matched").cov_score == "random_matched"
     with pytest.raises(ValueError, match="cov_score must be one of"):
         LossConfig(cov_score="random_match")
-    assert load_config("configs/demo.yaml", ["algo.mode=clip_cov", "algo.cov_score=random_matched"]).algo.cov_score \
-        == "random_matched"
-    with pytest.raises(ConfigError, match="^algo.cov_score: random_matched is a control"):
-        load_config("configs/demo.yaml", ["algo.mode=vanilla", "algo.cov_score=random_matched"])
+    cfg = load_config("configs/demo.yaml", ["algo.mode=clip_cov", "algo.loss.cov_score=random_matched"])
+    assert cfg.algo.loss.cov_score == "random_matched"
+    with pytest.raises(ConfigError, match="^algo.loss.cov_score: random_matched is a control"):
+        load_config("configs/demo.yaml", ["algo.mode=vanilla", "algo.loss.cov_score=random_matched"])

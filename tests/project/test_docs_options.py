@@ -2,7 +2,7 @@
 
 An option is a dotted key that starts with a section of the run config (model, data, rollout, reward,
 algo, optim, trainer): in backticks, alone or with a value (`algo.max_gen_batches`,
-`algo.cov_score=random`, `trainer.packing: true`), or a key=value override on a command line. Each must
+`algo.loss.cov_score=random`, `trainer.packing: true`), or a key=value override on a command line. Each must
 be a field of the config dataclasses (walked from ``Config``); a quoted value must be one the field's type
 accepts; a default the text states right after the quote ("`trainer.packing: true` (default)",
 "`algo.scope: global`, the default", "`rollout.sync_bucket_mb`, default 64") must equal the dataclass

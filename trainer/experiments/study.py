@@ -292,7 +292,11 @@ def _finished(run_dir: Path, cfg) -> bool:
         return False
     import yaml
 
-    recorded, wanted = _flat(_recorded_config(run_dir)), _flat(yaml.safe_load(yaml.safe_dump(dataclasses.asdict(cfg))))
+    from fastcov.trainer.config import MOVED_KEYS
+
+    # a run of an earlier version recorded some settings under keys that have moved since
+    recorded = {MOVED_KEYS.get(k, k): v for k, v in _flat(_recorded_config(run_dir)).items()}
+    wanted = _flat(yaml.safe_load(yaml.safe_dump(dataclasses.asdict(cfg))))
     differ = sorted(k for k in set(recorded) & set(wanted) if k not in _DISPLAY_ONLY and recorded[k] != wanted[k])
     if differ:
         print(f"[study] --resume: {run_dir} finished with other settings ({', '.join(differ[:3])}"
@@ -328,7 +332,8 @@ def _selection_pairs(study: dict, arms, seeds, cfgs: dict, run_dirs: dict | None
         cfg = cfgs[(arm, seeds[0])]
         algo, trainer = dataclasses.asdict(cfg.algo), dataclasses.asdict(cfg.trainer)
         recorded = _recorded_config(run_dirs[(arm, seeds[0])]) if run_dirs else {}
-        return {**algo, **(recorded.get("algo") or {}),
+        done = recorded.get("algo") or {}  # a run of 0.5.0 or earlier recorded the loss keys flat in algo
+        return {**algo, **algo["loss"], **done, **(done.get("loss") or {}),
                 "prompts_per_step": (recorded.get("trainer") or trainer).get("prompts_per_step")}
 
     pairs = []

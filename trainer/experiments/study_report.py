@@ -639,7 +639,8 @@ def selection_section(numbers: dict[str, list[dict[str, Any]]], pairs: Sequence[
     summary["selection_labels"] = {key: label for key, label, _ in metrics}
     lines = ["", "## Selection − random, per ratio", "",
              "Each covariance-selected arm against its control on as many tokens chosen at random (KL-Cov: "
-             "`algo.cov_score=random`; Clip-Cov: `algo.cov_score=random_matched`, uniform over all valid tokens). "
+             "`algo.loss.cov_score=random`; Clip-Cov: `algo.loss.cov_score=random_matched`, uniform over all valid "
+             "tokens). "
              "Tokens per mini-batch: the tokens selected per optimizer update (mean over steps, then ± across "
              "seeds). Jaccard: the control's tokens against what c_t would have picked on the same mini-batch, "
              "|R ∩ C| / |R ∪ C| pooled per step (0: disjoint, 1: the same tokens); two independent uniform picks of "

@@ -18,12 +18,12 @@ def test_shipped_configs_load():
 
 def test_overrides_apply_and_parse_yaml_values():
     cfg = load_config(TINY, ["algo.mode=kl_cov", "trainer.max_steps=50", "optim.lr=1e-5",
-                             "optim.betas=[0.9, 0.95]", "algo.dual_clip_c=3", "data.val_files=[a.parquet]"])
+                             "optim.betas=[0.9, 0.95]", "algo.loss.dual_clip_c=3", "data.val_files=[a.parquet]"])
     assert cfg.algo.mode == "kl_cov"
     assert cfg.trainer.max_steps == 50
     assert cfg.optim.lr == pytest.approx(1e-5)  # "1e-5" is a YAML string; float fields accept it
     assert cfg.optim.betas == (0.9, 0.95)
-    assert cfg.algo.dual_clip_c == 3.0 and isinstance(cfg.algo.dual_clip_c, float)
+    assert cfg.algo.loss.dual_clip_c == 3.0 and isinstance(cfg.algo.loss.dual_clip_c, float)
     assert cfg.data.val_files == ["a.parquet"]
 
 
@@ -39,8 +39,8 @@ def test_overrides_apply_and_parse_yaml_values():
     ("optim.lr=fast", "optim.lr"),
     ("rollout.top_p=1.5", "rollout.top_p"),
     ("trainer.zero_stage=4", "trainer.zero_stage"),
-    ("algo.clip_cov_ratio=0", "algo.clip_cov_ratio"),
-    ("algo.clip_cov_lb=9", "algo.clip_cov_lb"),
+    ("algo.loss.clip_cov_ratio=0", "algo.loss.clip_cov_ratio"),
+    ("algo.loss.clip_cov_lb=9", "algo.loss.clip_cov_lb"),
     ("rollout.n=1", "rollout.n"),
     ("optim.betas=[0.9]", "optim.betas"),
     ("model.arch=null", "model.path"),  # no model at all (model.path=X alone replaces the arch: test_cli.py)
@@ -70,25 +70,53 @@ def test_resolved_config_round_trips(tmp_path):
 
 
 def test_every_loss_hyperparameter_reaches_the_loss():
-    """Each LossConfig field the algo section carries arrives in the trainer's LossConfig unchanged."""
+    """Every LossConfig field is a key of algo.loss, and arrives in the LossConfig of an update unchanged (λ from its
+    schedule); a field added to LossConfig is a config key with no other change."""
     import dataclasses
 
     from fastcov.losses import LossConfig
-    from fastcov.trainer.config import AlgoConfig
-    from fastcov.trainer.train import loss_config
+    from fastcov.trainer.controls import loss_config
 
-    shared = {f.name for f in dataclasses.fields(LossConfig)} & {f.name for f in dataclasses.fields(AlgoConfig)}
-    assert shared >= {"clip_low", "clip_high", "clip_cov_ratio", "kl_cov_ratio", "kl_cov_coef", "cov_score"}
     values = dict(clip_low=0.11, clip_high=0.31, dual_clip_c=3.5, clip_cov_ratio=0.013, clip_cov_lb=0.7,
                   clip_cov_ub=4.2, kl_cov_ratio=0.021, kl_cov_coef=0.9, entropy_coef=0.004,
                   pos_adv_weight=0.6, neg_adv_weight=0.8, high_entropy_fraction=0.25, cov_score="vocab",
                   cispo_clip_max=4.5, cispo_clip_min=0.3, sapo_tau_pos=1.2, sapo_tau_neg=1.7, vespo_k_pos=1.5,
-                  vespo_lambda_pos=2.5, vespo_k_neg=3.5, vespo_lambda_neg=1.5)
-    assert set(values) == shared, "a new shared field needs a value here"
-    cfg = loss_config(AlgoConfig(**values), pos_adv_weight=0.45)
+                  vespo_lambda_pos=2.5, vespo_k_neg=3.5, vespo_lambda_neg=1.5, loss_scale_factor=7.0,
+                  check_finite=True)
+    assert set(values) == {f.name for f in dataclasses.fields(LossConfig)}, "a new LossConfig field needs a value here"
+    cfg = load_config(TINY, [f"algo.loss.{k}={v}" for k, v in values.items()])
+    assert isinstance(cfg.algo.loss, LossConfig)
+    step = loss_config(cfg.algo, pos_adv_weight=0.45)
     for name, value in values.items():
-        assert getattr(cfg, name) == (0.45 if name == "pos_adv_weight" else value), name
-    assert cfg.check_finite is False
+        assert getattr(step, name) == (0.45 if name == "pos_adv_weight" else value), name
+    assert load_config(TINY).algo.loss.check_finite is False  # the trainer's default: a non-finite loss skips
+
+
+def test_the_old_flat_loss_keys_still_work_with_one_line_naming_the_new_key(tmp_path):
+    """algo.<field> (0.5.0 and earlier) reads as algo.loss.<field>, in a file and as an override (which still wins
+    over the file's new key), each with the one-line FutureWarning the pos_weight move uses."""
+    with pytest.warns(FutureWarning) as seen:
+        old = load_config(TINY, ["algo.kl_cov_coef=0.7", "algo.cov_score=random"])
+    assert [str(w.message) for w in seen] == ["algo.kl_cov_coef is deprecated: use algo.loss.kl_cov_coef",
+                                              "algo.cov_score is deprecated: use algo.loss.cov_score"]
+    assert old == load_config(TINY, ["algo.loss.kl_cov_coef=0.7", "algo.loss.cov_score=random"])
+    assert old.algo.loss.clip_cov_lb == -5.0  # the file's own algo.loss keys stay
+    flat = tmp_path / "flat.yaml"
+    head, _, tail = TINY.read_text().partition("  loss:\n")
+    lines = tail.split("\n")
+    end = next(i for i, line in enumerate(lines) if not line.startswith("    "))
+    flat.write_text(head + "\n".join([line[2:] for line in lines[:end]] + lines[end:]))
+    assert "  clip_cov_lb: -5.0" in flat.read_text()
+    with pytest.warns(FutureWarning) as seen:
+        assert load_config(flat) == load_config(TINY)
+    assert [str(w.message) for w in seen] == [f"algo.{k} is deprecated: use algo.loss.{k}"
+                                              for k in ("clip_cov_ratio", "clip_cov_lb", "kl_cov_ratio")]
+    with pytest.raises(ConfigError, match=r"^algo\.clip_low: renamed algo\.loss\.clip_low, which is set too"):
+        load_config(TINY, ["algo.clip_low=0.1", "algo.loss.clip_low=0.3"])
+    both = tmp_path / "both.yaml"
+    both.write_text(TINY.read_text().replace("  loss:\n", "  kl_cov_ratio: 0.3\n  loss:\n"))
+    with pytest.raises(ConfigError, match=r"^algo\.kl_cov_ratio: renamed algo\.loss\.kl_cov_ratio"):
+        load_config(both)
 
 
 def test_the_old_flat_pos_weight_keys_still_work_with_one_line_naming_the_new_key():
@@ -119,30 +147,40 @@ def test_a_bad_pos_weight_schedule_names_its_key(overrides, named):
 
 
 @pytest.mark.parametrize("overrides, named", [
-    (["algo.clip_cov_lb=2", "algo.clip_cov_ub=1"], "algo.clip_cov_lb"),
-    (["algo.cispo_clip_min=9"], "algo.cispo_clip_min"),
-    (["algo.cispo_clip_max=0"], "algo.cispo_clip_max"),
-    (["algo.sapo_tau_neg=0"], "algo.sapo_tau_neg"),
-    (["algo.kl_cov_ratio=2"], "algo.kl_cov_ratio"),
-    (["algo.high_entropy_fraction=0"], "algo.high_entropy_fraction"),
-    (["algo.dual_clip_c=1"], "algo.dual_clip_c"),
-    (["algo.clip_low=1.5"], "algo.clip_low"),  # the trainer's bound, narrower than LossConfig's
-    (["algo.neg_adv_weight=2"], "algo.neg_adv_weight"),
+    (["algo.loss.clip_cov_lb=2", "algo.loss.clip_cov_ub=1"], "algo.loss.clip_cov_lb"),
+    (["algo.loss.cispo_clip_min=9"], "algo.loss.cispo_clip_min"),
+    (["algo.loss.cispo_clip_max=0"], "algo.loss.cispo_clip_max"),
+    (["algo.loss.sapo_tau_neg=0"], "algo.loss.sapo_tau_neg"),
+    (["algo.loss.kl_cov_ratio=2"], "algo.loss.kl_cov_ratio"),
+    (["algo.loss.high_entropy_fraction=0"], "algo.loss.high_entropy_fraction"),
+    (["algo.loss.dual_clip_c=1"], "algo.loss.dual_clip_c"),
+    (["algo.loss.clip_low=1.5"], "algo.loss.clip_low"),  # the trainer's bound, narrower than LossConfig's
+    (["algo.loss.neg_adv_weight=2"], "algo.loss.neg_adv_weight"),
 ])
 def test_loss_ranges_are_losscfgs_and_name_the_algo_key(overrides, named):
     with pytest.raises(ConfigError, match="^" + named.replace(".", r"\.") + ":"):
         load_config(TINY, overrides)
 
 
-def test_the_algo_section_carries_every_losscfg_field_with_its_default():
-    import dataclasses
+def test_a_refusal_names_the_key_the_config_sets():
+    """LossConfig refuses a pair of bounds in one message naming both: the key named is the one that was set (the
+    defaults' clip_cov_lb 1 against the clip_cov_ub given)."""
+    with pytest.raises(ConfigError, match=r"^algo\.loss\.clip_cov_ub: clip_cov_lb must be < clip_cov_ub, got "):
+        load_config(None, ["algo.loss.clip_cov_ub=0.5"])
 
-    from fastcov.losses import LossConfig
-    from fastcov.trainer.config import LOSS_FIELDS, AlgoConfig
 
-    algo = AlgoConfig()
-    assert set(LOSS_FIELDS) == {f.name for f in dataclasses.fields(LossConfig)} - {"loss_scale_factor", "check_finite"}
-    assert all(getattr(algo, k) == getattr(LossConfig(), k) for k in LOSS_FIELDS)
+def test_the_old_names_of_the_config_module_still_import_with_a_warning():
+    import fastcov.trainer.config as config
+    from fastcov.trainer import controls
+
+    for name in ("loss_config", "entropy_controller", "rollout_correction_enabled"):
+        with pytest.warns(FutureWarning, match=rf"^fastcov\.trainer\.config\.{name} is deprecated: use "
+                                               rf"fastcov\.trainer\.controls\.{name}$"):
+            assert getattr(config, name) is getattr(controls, name)
+    with pytest.warns(FutureWarning, match="LOSS_FIELDS is deprecated"):
+        assert "clip_low" in config.LOSS_FIELDS
+    with pytest.raises(AttributeError):
+        config.no_such_name  # noqa: B018
 
 
 def test_offload_activations_is_checked_with_the_trainer_section_not_lora():

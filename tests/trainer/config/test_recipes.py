@@ -24,16 +24,16 @@ def test_recipe_matches_the_paper(name):
     assert cfg.model.path == "/models/x" and cfg.data.train_files == ["/d/train.parquet"]
     assert (cfg.trainer.prompts_per_step, cfg.rollout.n, cfg.algo.mini_batches) == (256, 8, 8)
     assert cfg.rollout.max_new_tokens == 8192 and cfg.rollout.temperature == 1.0
-    assert cfg.algo.loss_agg == "token-mean" and cfg.algo.entropy_coef == 0 and cfg.optim.grad_clip == 1.0
+    assert cfg.algo.loss_agg == "token-mean" and cfg.algo.loss.entropy_coef == 0 and cfg.optim.grad_clip == 1.0
     assert cfg.algo.scope == "global" and cfg.trainer.zero_stage == 3
     assert cfg.rollout.engine == "vllm" and cfg.rollout.vllm_tensor_parallel_size == 2
     if mode == "clip_cov":
-        assert (cfg.algo.clip_cov_ratio, cfg.algo.clip_cov_lb, cfg.algo.clip_cov_ub) == (2e-4, 1.0, 5.0)
-        assert cfg.algo.clip_low == cfg.algo.clip_high == 1.0
+        assert (cfg.algo.loss.clip_cov_ratio, cfg.algo.loss.clip_cov_lb, cfg.algo.loss.clip_cov_ub) == (2e-4, 1.0, 5.0)
+        assert cfg.algo.loss.clip_low == cfg.algo.loss.clip_high == 1.0
     if mode == "kl_cov":
-        assert cfg.algo.kl_cov_ratio == (2e-3 if "7b" in name else 2e-4) and cfg.algo.kl_cov_coef == 1.0
+        assert cfg.algo.loss.kl_cov_ratio == (2e-3 if "7b" in name else 2e-4) and cfg.algo.loss.kl_cov_coef == 1.0
 
 
 def test_recipe_overrides_are_validated():
-    with pytest.raises(ConfigError, match="algo.kl_cov_ratio"):
-        load_config(CONFIGS / "qwen2.5-7b-kl-cov.yaml", ["algo.kl_cov_ratio=-1"])
+    with pytest.raises(ConfigError, match="algo.loss.kl_cov_ratio"):
+        load_config(CONFIGS / "qwen2.5-7b-kl-cov.yaml", ["algo.loss.kl_cov_ratio=-1"])

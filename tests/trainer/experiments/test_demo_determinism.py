@@ -3,7 +3,7 @@ and a few KL-Cov steps) on a machine that offers 1 and one that offers 2 threads
 writes exactly the same metrics and the same evaluation on harder.parquet, because the demo pins torch's
 threads (--threads, trainer.threads); and training the algorithms one after the other or at once (--jobs) changes nothing either.
 Left to follow the machine, the warm-start already differs in the 10th digit. The random-token controls
-(algo.cov_score=random_matched: Clip-Cov's, and KL-Cov's) are held to the same standard: their random keys
+(algo.loss.cov_score=random_matched: Clip-Cov's, and KL-Cov's) are held to the same standard: their random keys
 follow from the run's seed alone."""
 
 import json
@@ -46,7 +46,7 @@ def test_demo_metrics_do_not_depend_on_the_thread_count(tmp_path):
 
 
 # Clip-Cov's random control on a band wide enough that it acts from the first step (ratio 0.1 of ~100 tokens)
-RANDOM_CONTROL = ("algo.cov_score=random_matched", "algo.clip_cov_ratio=0.1", "algo.clip_cov_lb=-1.0")
+RANDOM_CONTROL = ("algo.loss.cov_score=random_matched", "algo.loss.clip_cov_ratio=0.1", "algo.loss.clip_cov_lb=-1.0")
 
 
 @pytest.mark.slow

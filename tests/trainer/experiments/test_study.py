@@ -172,15 +172,15 @@ def test_selection_study_pairs_each_method_with_its_random_control():
     assert len(pairs) == len(study["selection_contrasts"]) == 6
     for p in pairs:
         arm, ctrl = cfgs[(p["arm"], 0)], cfgs[(p["control"], 0)]
-        assert arm.algo.cov_score == "batch" and ctrl.algo.cov_score == p["control_score"]
+        assert arm.algo.loss.cov_score == "batch" and ctrl.algo.loss.cov_score == p["control_score"]
         assert p["control_score"] == {"kl_cov": "random", "clip_cov": "random_matched"}[p["method"]]
         # the pair differs in the score only
         assert ctrl == load_config(ROOT / study["base"], ["model.path=/m"] + study["common"] + study["arms"][p["arm"]]
-                                   + [f"algo.cov_score={p['control_score']}"])
+                                   + [f"algo.loss.cov_score={p['control_score']}"])
     kl = sorted((p["ratio"], p["prompts"]) for p in pairs if p["method"] == "kl_cov")
     assert kl == [(0.05, 16), (0.05, 32), (0.1, 16), (0.2, 16), (0.5, 16)]
     clip = [p for p in pairs if p["method"] == "clip_cov"]
-    assert [(p["ratio"], p["prompts"]) for p in clip] == [(demo.algo.clip_cov_ratio, demo.trainer.prompts_per_step)]
+    assert [(p["ratio"], p["prompts"]) for p in clip] == [(demo.algo.loss.clip_cov_ratio, demo.trainer.prompts_per_step)]
     assert _selection_pairs(study, ["grpo", "clip_cov", "clip_cov_random"], seeds, cfgs)[0]["arm"] == "clip_cov"
 
 
@@ -204,7 +204,7 @@ def test_selection_study_smoke_reports_the_selection_section(tmp_path):
 
     args = [str(SELECTION), "--out", str(tmp_path), "--seeds", "0", "--arms", "grpo,clip_cov,clip_cov_random"]
     rc = main(args + [*TINY_SETUP, "trainer.max_steps=3", "trainer.eval_every=3", *TINY_RUNS,
-                      "algo.clip_cov_ratio=0.2", "algo.clip_cov_lb=-10.0"])
+                      "algo.loss.clip_cov_ratio=0.2", "algo.loss.clip_cov_lb=-10.0"])
     assert rc == 0
     text = (tmp_path / "report.md").read_text()
     assert "## Selection − random, per ratio" in text and "| clip_cov | 0.2 | 2 |" in text
@@ -279,7 +279,7 @@ def test_resume_keeps_finished_runs_and_trains_the_rest(tmp_path):
     # the study was stopped before bonus_adaptive/seed1 ran, and grpo/seed1 had been trained with another beta
     (tmp_path / "bonus_adaptive" / "seed1").rename(tmp_path / "stopped")
     recorded = yaml.safe_load((tmp_path / "grpo" / "seed1" / "config.yaml").read_text())
-    recorded["algo"]["kl_cov_coef"] += 1.0
+    recorded["algo"]["loss"]["kl_cov_coef"] += 1.0
     (tmp_path / "grpo" / "seed1" / "config.yaml").write_text(yaml.safe_dump(recorded))
     assert main(args + ["--reuse-sft", "--resume"]) == 0
     assert stamp("grpo/seed0") == kept["grpo/seed0"] and stamp("bonus_adaptive/seed0") == kept["bonus_adaptive/seed0"]

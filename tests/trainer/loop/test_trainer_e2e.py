@@ -180,7 +180,7 @@ def test_refill_needs_the_dapo_filter(tmp_path):
 
 def test_clip_cov_band_that_selects_nothing_warns_once_with_the_numbers(tmp_path):
     cfg = tiny(tmp_path, "run", "trainer.max_steps=2", "trainer.eval_every=0", "algo.mode=clip_cov",
-               "algo.clip_cov_lb=1000.0", "algo.clip_cov_ub=2000.0")
+               "algo.loss.clip_cov_lb=1000.0", "algo.loss.clip_cov_ub=2000.0")
     with pytest.warns(UserWarning, match=r"Clip-Cov selected no token: .*band \(1000, 2000\).*mean .*max ") as rec:
         run = train_mod.train(cfg)
     assert sum("Clip-Cov selected no token" in str(w.message) for w in rec) == 1

@@ -59,18 +59,15 @@ def _config(mode, scope, budget, packing, extra=()):
         f"trainer.packing={str(packing).lower()}", "trainer.zero_stage=0", "trainer.device=cpu",
         f"trainer.prompts_per_step={GROUPS}", f"rollout.n={N}", "algo.mini_batches=2", "algo.ppo_epochs=2",
         # the tiny model's covariances are small: a wide band, and 10% of the tokens
-        "algo.clip_cov_ratio=0.1", "algo.clip_cov_lb=-5.0", "algo.clip_cov_ub=5.0", "algo.kl_cov_ratio=0.1",
+        "algo.loss.clip_cov_ratio=0.1", "algo.loss.clip_cov_lb=-5.0", "algo.loss.clip_cov_ub=5.0",
+        "algo.loss.kl_cov_ratio=0.1",
         # Adam's eps well above rounding noise keeps the update a smooth function of the gradient
         "optim.lr=1e-2", "optim.eps=1e-3", *extra,
     ])
 
 
 def _loss_config(cfg):
-    from fastcov.losses import LossConfig
-
-    a = cfg.algo
-    return LossConfig(clip_cov_ratio=a.clip_cov_ratio, clip_cov_lb=a.clip_cov_lb, clip_cov_ub=a.clip_cov_ub,
-                      kl_cov_ratio=a.kl_cov_ratio, kl_cov_coef=a.kl_cov_coef, check_finite=False)
+    return cfg.algo.loss  # fastcov.losses.LossConfig itself, check_finite off as the trainer's
 
 
 def _fresh_lm(cfg, tokenizer):

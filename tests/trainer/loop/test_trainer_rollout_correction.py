@@ -20,7 +20,8 @@ from _fixtures import TINY
 
 from fastcov.correction import rollout_correction
 from fastcov.trainer import train as train_mod
-from fastcov.trainer.config import ConfigError, load_config, rollout_correction_enabled
+from fastcov.trainer.config import ConfigError, load_config
+from fastcov.trainer.controls import rollout_correction_enabled
 from fastcov.trainer.rewards import RewardFn
 from fastcov.trainer.runtime.batch import Sequence
 from fastcov.trainer.runtime.run_dir import read_metrics
@@ -50,9 +51,9 @@ def test_default_is_off_for_the_hf_engine_and_on_for_vllm(tmp_path):
     (["algo.rollout_correction.rejection=token_k2", "algo.rollout_correction.rejection_threshold=0.1_0.2"],
      "algo.rollout_correction.rejection_threshold"),
     (["algo.rollout_correction.off_policy_mask_threshold=-1"], "algo.rollout_correction.off_policy_mask_threshold"),
-    (["algo.mode=cispo", "algo.dual_clip_c=3"], "algo.dual_clip_c"),
-    (["algo.mode=cispo", "algo.cispo_clip_max=0"], "algo.cispo_clip_max"),
-    (["algo.mode=sapo", "algo.sapo_tau_neg=-1"], "algo.sapo_tau_neg"),
+    (["algo.mode=cispo", "algo.loss.dual_clip_c=3"], "algo.loss.dual_clip_c"),
+    (["algo.mode=cispo", "algo.loss.cispo_clip_max=0"], "algo.loss.cispo_clip_max"),
+    (["algo.mode=sapo", "algo.loss.sapo_tau_neg=-1"], "algo.loss.sapo_tau_neg"),
 ])
 def test_bad_config_is_one_line_naming_the_key(tmp_path, overrides, key):
     with pytest.raises(ConfigError) as info:
@@ -62,7 +63,7 @@ def test_bad_config_is_one_line_naming_the_key(tmp_path, overrides, key):
 
 def test_dual_clip_is_accepted_with_gspo(tmp_path):
     """GSPO's loss is PPO's clip of the sequence ratio, so its dual clip (TRL's delta) applies (mode gspo)."""
-    assert tiny(tmp_path, "algo.mode=gspo", "algo.dual_clip_c=3").algo.dual_clip_c == 3.0
+    assert tiny(tmp_path, "algo.mode=gspo", "algo.loss.dual_clip_c=3").algo.loss.dual_clip_c == 3.0
 
 
 def _sequences(seed=0, groups=3, n=4):
@@ -111,7 +112,7 @@ def test_a_step_of_each_mode_with_the_correction_logs_finite_metrics(tmp_path, m
     monkeypatch.setattr(RewardFn, "__call__", lambda self, text, truth: float(len(text) % 2))
     cfg = tiny(tmp_path, f"algo.mode={mode}", "trainer.max_steps=1", "trainer.eval_every=0",
                "algo.rollout_correction.enabled=true", "algo.rollout_correction.rejection=seq_mean_k3",
-               "algo.rollout_correction.rejection_threshold=0.01", "algo.high_entropy_fraction=0.5")
+               "algo.rollout_correction.rejection_threshold=0.01", "algo.loss.high_entropy_fraction=0.5")
     assert cfg.trainer.packing  # the sequence modes (gspo, vespo) run on packed rows
     last = read_metrics(train_mod.train(cfg) / "metrics.jsonl")[-1]
     corr = {k: v for k, v in last.items() if k.startswith("rollout_corr/")}
