@@ -299,8 +299,8 @@ def run_fastcov(spec: dict) -> dict:
     if p.get("logprob_budget"):  # the old-log-prob pass in cache-sized micro-batches (bench/logprob_profile.py)
         over += [f"trainer.logprob_token_budget={p['logprob_budget']}"]
     if case == "c":
-        over += ["algo.mode=kl_cov", "algo.scope=microbatch", f"algo.kl_cov_ratio={KL_COV['ratio']}",
-                 f"algo.kl_cov_coef={KL_COV['coef']}"]
+        over += ["algo.mode=kl_cov", "algo.scope=microbatch", f"algo.loss.kl_cov_ratio={KL_COV['ratio']}",
+                 f"algo.loss.kl_cov_coef={KL_COV['coef']}"]
     else:
         over += ["algo.mode=vanilla"]
     if p["device"] == "cuda":

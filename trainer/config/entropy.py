@@ -28,7 +28,7 @@ class EntropyControlConfig:
     # pi: init + s * (kp * e + ki * sum e), e = (target - H) / target, |sum e| <= integral_max (EntroPIC)
     rule: Literal["step", "proportional", "pi"] = "step"
     # the knob's value at step 1 (the pi rule's operating point); null: the algo value it replaces (pos_weight:
-    # algo.pos_adv_weight)
+    # algo.loss.pos_adv_weight)
     init: float | None = None
     delta: float | None = None  # step rule: change per step (required)
     gain: float = 0.5  # proportional rule
@@ -61,7 +61,7 @@ class EntropyAdvantageConfig:
 @dataclass
 class PosWeightConfig:
     """Jin et al. 2025 ("Revisiting Entropy in RL for Large Reasoning Models"): the loss of tokens with A > 0 is
-    multiplied by lambda. Off: lambda = algo.pos_adv_weight. On: lambda follows
+    multiplied by lambda. Off: lambda = algo.loss.pos_adv_weight. On: lambda follows
     fastcov.schedules.PositiveWeightSchedule, stepped once per training step (docs/papers.md):
       entropy (the paper's): lambda starts at init (0) and after each step moves by -delta when the rollout entropy
         H < target_entropy (delta 0.2), +delta otherwise (Delta 0.05), clipped to [0, 1];
