@@ -132,7 +132,8 @@ QWEN25_15B_ARCH = ("{model_type: qwen2, hidden_size: 1536, intermediate_size: 89
 TRAIN_FULL = [f"model.arch={QWEN25_15B_ARCH}", "model.gradient_checkpointing=true", "data.synthetic.n_train=512",
               "trainer.prompts_per_step=32", "rollout.n=8", "rollout.max_new_tokens=256",
               "rollout.token_budget=131072", "trainer.micro_token_budget=16384", "algo.mini_batches=2",
-              "algo.loss.kl_cov_ratio=2.0e-3", "algo.loss.kl_cov_coef=1.0", "algo.loss_agg=token-mean", "optim.lr=5.0e-7"]
+              "algo.loss.kl_cov_ratio=2.0e-3", "algo.loss.kl_cov_coef=1.0", "algo.loss_agg=token-mean",
+              "optim.lr=5.0e-7"]
 TRAIN_SMOKE: list[str] = []  # tiny.yaml's model and batch as they are
 # the extra part's training steps: the train part's run with the optimizer offloaded, then with LoRA adapters
 TRAIN_EXTRA = {"offload": ["trainer.offload_optimizer=true"],
