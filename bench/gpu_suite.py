@@ -28,6 +28,10 @@ table is printed last.
   extra        only when its whole cap is left: the kernels at N 65536, a training step with the optimizer
                offloaded, and one with LoRA
   vllm         ``python -m bench.vllm_smoke``; not in the default run (vLLM takes six staging calls)
+  trainer      ``python -m bench.trainer --preset gpu-1.5b``: fastcov's trainer against TRL; not in the default run
+  memory       ``python -m bench.memory_sweep --preset gpu-1.5b``: peak GPU memory of one rollout batch against
+               answer length at Qwen2.5-1.5B's shape and vocabulary, fastcov / TRL / TRL + Liger; not in the
+               default run (TRL is not in the GPU image)
 
 ``--size full`` (the default, alias ``1.5b``) is the GPU run. ``--size smoke`` (alias ``tiny``) runs the same
 code paths at toy sizes, on CPU too. ``--size rehearse`` is what ``gpu_run.sh --rehearse`` runs on CPU: toy
@@ -67,7 +71,7 @@ from bench.kernels import jsonl_path as kernels_jsonl_path
 from bench.kernels import read_jsonl, render_jsonl_md
 
 REPO = Path(__file__).resolve().parent.parent
-PARTS_ORDER = ("correctness", "kernels", "train", "pytest", "extra", "vllm", "trainer")
+PARTS_ORDER = ("correctness", "kernels", "train", "pytest", "extra", "vllm", "trainer", "memory")
 RUN_ORDER = ("correctness", "kernels", "train", "pytest", "extra")  # --part all, and gpu_run.sh
 SIZE_ALIASES = {"full": "full", "1.5b": "full", "smoke": "smoke", "tiny": "smoke", "rehearse": "rehearse"}
 BAD_STATUSES = ("error", "fail", "timeout", "OOM")
@@ -76,11 +80,11 @@ GIB = 2**30
 # "extra" starts only when its whole cap is left ("only if time remains").
 PART_CAPS = {
     "full": {"correctness": 50, "kernels": 200, "train": 100, "pytest": 45, "extra": 120, "vllm": 400,
-             "trainer": 420},
+             "trainer": 420, "memory": 480},
     "smoke": {"correctness": 120, "kernels": 300, "train": 300, "pytest": 300, "extra": 300, "vllm": 300,
-              "trainer": 300},
+              "trainer": 300, "memory": 300},
     "rehearse": {"correctness": 40, "kernels": 60, "train": 60, "pytest": 60, "extra": 600, "vllm": 60,
-                 "trainer": 300},
+                 "trainer": 300, "memory": 300},
 }
 NEEDS_WHOLE_CAP = ("extra",)
 # the files `pytest -m gpu` runs (the GPU-marked tests; collecting all of tests/ costs ~20 s)
@@ -773,6 +777,44 @@ def part_trainer(s: Suite) -> None:
              summary, rows=str(out), wall_s=proc.wall_s)
 
 
+# =========================================================================== part: memory
+
+
+def part_memory(s: Suite) -> None:
+    """``python -m bench.memory_sweep --preset gpu-1.5b`` (full size; ``tiny`` otherwise): one row per arm with the
+    peak memory at each answer length and the first length it ran out of memory at. Not in the default order:
+    TRL is not in the GPU image (``--parts memory --budget 480``)."""
+    if importlib.util.find_spec("trl") is None:
+        s.record("memory", "bench.memory_sweep", "unavailable", "trl not installed")
+        return
+    full = s.size == "full"
+    if full and not torch.cuda.is_available():
+        s.record("memory", "bench.memory_sweep", "unavailable", "needs CUDA")
+        return
+    out = s.dir / "memory.jsonl"
+    before = len(read_jsonl(out)) if out.is_file() else 0
+    arms = ["fastcov", "trl", "trl+liger"]
+    if not torch.cuda.is_available():
+        arms.remove("trl+liger")
+        s.record("memory", "trl+liger peak memory", "unavailable", "Liger-Kernel's Triton kernels need CUDA")
+    proc = s.run([sys.executable, "-m", "bench.memory_sweep", "--preset", "gpu-1.5b" if full else "tiny",
+                  "--arms", ",".join(arms), "--work", str(s.dir / "bench-trainer"), "--jsonl", str(out)])
+    rows = (read_jsonl(out) if out.is_file() else [])[before:]
+    for arm in dict.fromkeys(r["arm"] for r in rows):
+        mine = [r for r in rows if r["arm"] == arm]
+        key = "peak_gpu_mb" if any("peak_gpu_mb" in r for r in mine) else "peak_rss_mb"
+        points = "; ".join(f"{r['length']}: " + (f"{r[key] / 1024:.2f} GiB" if r["status"] == "ok" and r.get(key)
+                                                  else r["status"]) for r in mine)
+        ran = [r for r in mine if r["status"] == "ok"]
+        bad = [r for r in mine if r["status"] in ("error", "timeout")]
+        status = "ok" if ran and not bad else ("error" if bad else "OOM")
+        s.record("memory", f"{arm} peak memory", status, bad[0].get("error", "")[:300] if bad else "",
+                 points, points=mine, rows=str(out))
+    if not rows:
+        s.record("memory", "bench.memory_sweep", "timeout" if proc.timed_out else "error",
+                 f"exited {proc.rc}: {proc.tail(6)}", wall_s=proc.wall_s)
+
+
 # =========================================================================== part: extra
 
 
@@ -799,7 +841,7 @@ def part_extra(s: Suite) -> None:
 
 
 PARTS = {"correctness": part_correctness, "kernels": part_kernels, "train": part_train, "pytest": part_pytest,
-         "extra": part_extra, "vllm": part_vllm, "trainer": part_trainer}
+         "extra": part_extra, "vllm": part_vllm, "trainer": part_trainer, "memory": part_memory}
 
 
 def guarded(s: Suite, part: str, name: str, fn) -> None:

