@@ -109,7 +109,7 @@ def train_worker(spec: TrainSpec) -> dict:
     from fastcov.trainer.config import load_config
 
     cfg = load_config(spec.config, list(spec.overrides))
-    log_row = train_mod.Run.log_durably
+    log_row = train_mod.log_durably
 
     def log_then_stop(run, rec):
         log_row(run, rec)
@@ -118,7 +118,7 @@ def train_worker(spec: TrainSpec) -> dict:
         if rec.get("step") == spec.steps:
             raise _Measured
 
-    train_mod.Run.log_durably = log_then_stop
+    train_mod.log_durably = log_then_stop
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()

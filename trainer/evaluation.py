@@ -1,6 +1,6 @@
-"""Evaluation: avg@k on the validation prompts during training (``evaluate``) and of a saved model
-(``evaluate_model``, behind `fastcov eval`), and from the same samples pass@k / mean@k, diversity and
-calibration.
+"""Evaluation: avg@k on the validation prompts during training (``evaluate``; ``evaluate_run`` is the loop's step
+8) and of a saved model (``evaluate_model``, behind `fastcov eval`), and from the same samples pass@k / mean@k,
+diversity and calibration.
 
 ``EvalStats`` collects, per validation prompt, its samples' correctness, token ids, token log-probs and
 final answers, as fixed-length sums that data-parallel ranks add up (``vector`` → all-reduce →
@@ -18,6 +18,7 @@ final answers, as fixed-length sums that data-parallel ranks add up (``vector`` 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,7 +27,11 @@ from fastcov.trainer.config import Config
 from fastcov.trainer.rewards import REWARD_TASKS
 from fastcov.trainer.rollout import SamplingParams
 from fastcov.trainer.rollout.base import sample_seed
+from fastcov.trainer.rollout.engine_process import engine_failure
 from fastcov.trainer.runtime.distributed import all_sum
+
+if TYPE_CHECKING:
+    from fastcov.trainer.start import Run
 
 BINS = 10
 SAMPLED_EVAL_SOURCES = ("aime", "aime25", "amc")  # evaluated at eval_temperature; others greedily
@@ -154,6 +159,14 @@ def evaluate(rollout, val_set, reward_fn, tokenizer, cfg: Config, rank: int, wor
     res["val_acc"] = tot_acc / max(tot_n, 1.0)
     res.update(extra.finalize(all_sum(extra.vector(), device)))
     return res
+
+
+def evaluate_run(run: Run, step: int) -> dict:
+    """The loop's step 8: ``evaluate`` with the run's rollout engine, validation set and reward (an asynchronous
+    run's engine process that dies meanwhile stops the run in one line)."""
+    with engine_failure(step, run.ckpt_root):
+        return evaluate(run.rollout, run.val_set, run.reward_fn, run.tokenizer, run.cfg, run.rank, run.world,
+                        run.device, step)
 
 
 def evaluate_model(model: str, data: list[str], *, k: int = 1, temperature: float = 0.6, max_new_tokens: int = 256,

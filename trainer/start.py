@@ -11,7 +11,6 @@ import contextlib
 import json
 import logging
 import random
-import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -22,21 +21,18 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from fastcov.entropy_control import EntropyController
 from fastcov.errors import one_line
-from fastcov.schedules import PositiveWeightSchedule
-from fastcov.trainer import entropy_control
-from fastcov.trainer.config import Config, ConfigError, positive_weight_schedule
+from fastcov.trainer.config import Config, ConfigError
+from fastcov.trainer.controls import Controls, start_controls
 from fastcov.trainer.data.loading import PromptSampler, load_train_val, prepare_data
-from fastcov.trainer.evaluation import evaluate
 from fastcov.trainer.rewards import REWARD_TASKS, RewardTask
 from fastcov.trainer.rollout import make_rollout_engine
 from fastcov.trainer.rollout.base import RolloutEngine
 from fastcov.trainer.rollout.vllm_api import check_vllm_version
-from fastcov.trainer.runtime.checkpoint import CheckpointError, fsync_path, load_checkpoint
+from fastcov.trainer.runtime.checkpoint import CheckpointError, load_checkpoint
 from fastcov.trainer.runtime.dependencies import check_optional_packages
 from fastcov.trainer.runtime.distributed import init_distributed, pick_device
-from fastcov.trainer.runtime.errors import RolloutError, last_intact, user_error
+from fastcov.trainer.runtime.errors import user_error
 from fastcov.trainer.runtime.gguf import convert_for_run
 from fastcov.trainer.runtime.lora import count_parameters
 from fastcov.trainer.runtime.model import PolicyModel, build_model, check_model_source, load_tokenizer, use_liger
@@ -64,32 +60,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-class StopFlag:
-    """SIGINT sets a flag the loop checks between steps; a second Ctrl-C interrupts at once."""
-
-    def __init__(self):
-        self.set = False
-        self._old = None
-
-    def __enter__(self):
-        def handler(signum, frame):
-            if self.set:
-                raise KeyboardInterrupt
-            self.set = True
-            logger.info("\nCtrl-C: finishing this step, saving a checkpoint, exiting "
-                        "(press again to abort without saving)")
-
-        try:
-            self._old = signal.signal(signal.SIGINT, handler)
-        except ValueError:  # not the main thread
-            self._old = None
-        return self
-
-    def __exit__(self, *exc):
-        if self._old is not None:
-            signal.signal(signal.SIGINT, self._old)
-
-
 @dataclass
 class Run:
     """Everything a training run holds between steps (built by ``start_run``)."""
@@ -108,10 +78,9 @@ class Run:
     token_adv: Any  # REINFORCE++'s KL / PRIME's token-level advantages, or None
     sampler: PromptSampler
     gens: dict[str, torch.Generator]
-    lam_sched: PositiveWeightSchedule | None  # Jin et al.'s λ schedule
+    controls: Controls  # Jin et al.'s λ schedule, the target-entropy controller (trainer/controls.py)
     counters: dict[str, int]
     step: int = 0
-    entropy_ctl: EntropyController | None = None  # algo.entropy_control's
     logger: Any = None
     pbar: Any = None
     warned: dict[str, bool] = field(default_factory=lambda: {"empty_band": False})
@@ -124,73 +93,16 @@ class Run:
     def ckpt_root(self) -> Path:
         return checkpoints_dir(self.run_dir)
 
-    def sync_weights(self) -> int | None:
-        """Policy weights -> rollout engine. LoRA: everything once, then the adapters only; returns the
-        bytes sent (None without LoRA). Asynchronous rollouts: when the source says a push is due (first the
-        batch in flight finishes with the old weights), the engine then holding this step's weights."""
-        if self.source is None:
-            return self._push({})
-        if self.pushed and not self.source.push_due(self.step):
-            return None
-        with engine_failure(self):
-            self.source.before_push(self.step)
-            if self.source.engine.restarted:  # a restarted engine process holds some step's weights: LoRA resends all
-                self.synced, self.source.engine.restarted = False, False
-            self.pushed = True
-            return self._push({"version": self.step})
-
-    def _push(self, push: dict) -> int | None:
-        if not self.engine.frozen_base:
-            self.rollout.update_weights(self.engine.weight_buckets(self.cfg.rollout.sync_bucket_mb), **push)
-            return None
-        sent = [0]
-
-        def counted(buckets):
-            for bucket in buckets:
-                sent[0] += sum(t.numel() * t.element_size() for t in bucket.tensors)
-                yield bucket
-
-        self.rollout.update_weights(counted(self.engine.weight_buckets(
-            self.cfg.rollout.sync_bucket_mb, trainable_only=self.synced)), **push)
-        self.synced = True
-        return sent[0]
-
-    def evaluate(self, step: int) -> dict:
-        with engine_failure(self):
-            return evaluate(self.rollout, self.val_set, self.reward_fn, self.tokenizer, self.cfg, self.rank,
-                            self.world, self.device, step)
-
-    def log_durably(self, rec: dict) -> None:
-        """One metrics row, flushed and fsynced (before the step's checkpoint can be published)."""
-        if self.logger:
-            self.logger.log(rec)
-            fsync_path(self.logger.path)
-
     def trainer_state(self) -> dict:
         sampler = self.source.sampler_state() if self.source is not None else self.sampler.state_dict()
-        return {"step": self.step, "sampler": sampler, "counters": self.counters,
-                "lambda": self.lam_sched.state_dict() if self.lam_sched is not None else None, "world": self.world,
-                **({"entropy_control": self.entropy_ctl.state_dict()} if self.entropy_ctl is not None else {}),
-                **({"async": self.source.state()} if self.source is not None else {})}
+        return {"step": self.step, "sampler": sampler, "counters": self.counters, "world": self.world,
+                **self.controls.state_dict(), **({"async": self.source.state()} if self.source is not None else {})}
 
     def eval_due(self, step: int) -> bool:
         """Whether the loop evaluates after ``step`` (end_step's rule)."""
         t = self.cfg.trainer
         return bool(t.eval_every and self.val_set and (step % t.eval_every == 0 or step == t.max_steps))
 
-
-
-@contextlib.contextmanager
-def engine_failure(run: Run):
-    """An asynchronous run's engine process that dies during a push or an evaluation: one line with the step and
-    the last intact checkpoint (a death during the rollouts is said by collect_rollouts)."""
-    from fastcov.trainer.rollout.engine_process import EngineDied
-
-    try:
-        yield
-    except EngineDied as exc:
-        raise RolloutError(f"rollout engine failed at step {run.step}: {exc}; the last intact checkpoint is "
-                           f"{last_intact(run.ckpt_root)}; resume with --resume") from None
 
 
 def start_run(cfg: Config, resume, overwrite: bool, closing: contextlib.ExitStack) -> Run:
@@ -205,9 +117,8 @@ def start_run(cfg: Config, resume, overwrite: bool, closing: contextlib.ExitStac
             "select": torch.Generator(device=device).manual_seed(t.seed * 1_000_033 + rank + 17)}
     run = Run(cfg, device, rank, world, Path(t.run_dir), tokenizer, train_set, val_set, engine, rollout, reward_fn,
               token_adv, PromptSampler(len(train_set), t.seed), gens,
-              positive_weight_schedule(a) if a.pos_weight.enabled else None,  # Jin et al.'s λ
+              start_controls(a, rank),  # λ's schedule and the entropy controller (or None); KL-Cov's warning
               {"skipped_steps": 0, "filtered_groups": 0, "reward_timeouts": 0})
-    run.entropy_ctl = entropy_control.start(a, rank)  # algo.entropy_control (None when off); KL-Cov's warning
     if cfg.rollout.async_mode != "off":
         run.source = start_source(run, closing)
     if resume_path is not None:
@@ -359,10 +270,7 @@ def _resume(run: Run, path: Path) -> None:
     try:
         run.sampler.load_state_dict(state["sampler"])
         run.counters.update(state["counters"])
-        if run.lam_sched is not None:
-            run.lam_sched.load_state_dict(state["lambda"])
-        if run.entropy_ctl is not None:
-            run.entropy_ctl.load_state_dict(state["entropy_control"])
+        run.controls.load_state_dict(state)
         if run.source is not None:
             run.source.load_state(state.get("async"))
             run.source.load(path, run.step)  # one_step: this rank's finished batch of the next step

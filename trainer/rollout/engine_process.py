@@ -20,6 +20,7 @@ its rank, pid, exit status and log file (``<run>/engine/rank<r>.log``, its stder
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -28,7 +29,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,7 @@ from typing import Any
 import torch
 
 from fastcov.trainer.rollout.base import RolloutBatch, RolloutEngine, SamplingParams
-from fastcov.trainer.runtime.errors import RolloutError
+from fastcov.trainer.runtime.errors import RolloutError, last_intact
 from fastcov.trainer.runtime.weight_buckets import as_buckets
 
 START_TIMEOUT_S = 600.0  # the worker's imports and model on a loaded machine
@@ -45,6 +46,17 @@ WORKER = "fastcov.trainer.rollout.engine_worker"
 
 class EngineDied(RolloutError):
     """The engine process is gone (killed, crashed) or its channel broke."""
+
+
+@contextlib.contextmanager
+def engine_failure(step: int, ckpt_root: Path) -> Iterator[None]:
+    """An asynchronous run's engine process that dies during a push or an evaluation of ``step``: one line with the
+    step and the last intact checkpoint (a death during the rollouts is said by the loop's collect_rollouts)."""
+    try:
+        yield
+    except EngineDied as exc:
+        raise RolloutError(f"rollout engine failed at step {step}: {exc}; the last intact checkpoint is "
+                           f"{last_intact(ckpt_root)}; resume with --resume") from None
 
 
 @dataclass

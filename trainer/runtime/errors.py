@@ -1,9 +1,12 @@
-"""How a run stops when something outside the loop fails: the error classes the ``fastcov train`` command
-turns into one line and an exit status, and the one sentence that names the last intact checkpoint."""
+"""How a run stops: when something outside the loop fails, the error classes the ``fastcov train`` command turns
+into one line and an exit status, and the one sentence that names the last intact checkpoint; on Ctrl-C, after the
+step (``StopFlag``)."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -11,6 +14,8 @@ from typing import Any
 from fastcov.errors import ConfigError, UserError, one_line
 from fastcov.trainer.runtime.checkpoint import latest_checkpoint
 from fastcov.trainer.runtime.distributed import lost_peer
+
+logger = logging.getLogger(__name__)
 
 
 class RolloutError(RuntimeError):
@@ -94,3 +99,29 @@ def run_io(run: Any, what: str) -> Iterator[None]:
         raise RunIOError(f"{what}: cannot write {str(getattr(exc, 'filename', None) or run.run_dir)!r} "
                          f"({exc.strerror or exc}); the last intact checkpoint is "
                          f"{last_intact(run.ckpt_root)}; fix the disk, then --resume") from None
+
+
+class StopFlag:
+    """SIGINT sets a flag the loop checks between steps; a second Ctrl-C interrupts at once."""
+
+    def __init__(self):
+        self.set = False
+        self._old = None
+
+    def __enter__(self):
+        def handler(signum, frame):
+            if self.set:
+                raise KeyboardInterrupt
+            self.set = True
+            logger.info("\nCtrl-C: finishing this step, saving a checkpoint, exiting "
+                        "(press again to abort without saving)")
+
+        try:
+            self._old = signal.signal(signal.SIGINT, handler)
+        except ValueError:  # not the main thread
+            self._old = None
+        return self
+
+    def __exit__(self, *exc):
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)

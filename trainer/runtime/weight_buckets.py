@@ -242,3 +242,10 @@ def as_buckets(items: Iterable) -> Iterator[Bucket]:
         else:
             name, tensor = item
             yield Bucket([name], [tensor])
+
+
+def counted(buckets: Iterable[Bucket], sent: list[int]) -> Iterator[Bucket]:
+    """``buckets`` passed on one by one, their tensors' bytes added to ``sent[0]`` as they go."""
+    for bucket in buckets:
+        sent[0] += sum(t.numel() * t.element_size() for t in bucket.tensors)
+        yield bucket

@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 
 from _fixtures import ROOT, TINY, VOLATILE
 
-from fastcov.trainer import entropy_control
+from fastcov.trainer import controls
 from fastcov.trainer import train as train_mod
 from fastcov.trainer.config import ConfigError, load_config
 from fastcov.trainer.rewards import RewardFn
@@ -118,7 +118,7 @@ def test_shape_advantages_on_sequences():
             s.token_advantages = torch.randn(n, generator=gen).tolist()  # token-level (REINFORCE++ KL, PRIME)
         seqs.append(s)
     before = [list(s.token_advantages) if s.token_advantages else [s.advantage] * len(s.response) for s in seqs]
-    sums = entropy_control.shape_advantages(seqs, cfg.algo)
+    sums = controls.shape_advantages(seqs, cfg.algo)
     total = 0.0
     for s, adv in zip(seqs, before, strict=True):
         want = [a + min(0.3 * h, abs(a) / 2.0) for a, h in zip(adv, s.old_entropy, strict=True)]
@@ -138,8 +138,8 @@ def test_on_policy_kl_cov_warns_once_in_one_line(over, warned):
     cfg = load_config(TINY, over)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        entropy_control.start(cfg.algo, rank=0)
-        entropy_control.start(cfg.algo, rank=1)  # only rank 0 says it
+        controls.start_controls(cfg.algo, rank=0)
+        controls.start_controls(cfg.algo, rank=1)  # only rank 0 says it
     msgs = [str(w.message) for w in caught]
     assert len(msgs) == int(warned)
     if warned:
@@ -201,7 +201,8 @@ def test_the_controllers_study_loads_every_arm():
     for name, over in study["arms"].items():
         cfg = load_config(ROOT / "configs" / "demo.yaml", list(study["common"]) + list(over))
         assert (cfg.algo.entropy_control.target is not None) == ("entropy_control" in " ".join(over)), name
-        assert entropy_control.start(cfg.algo, rank=1) is None or cfg.algo.entropy_control.target == study["target"]
+        controller = controls.start_controls(cfg.algo, rank=1).entropy
+        assert controller is None or cfg.algo.entropy_control.target == study["target"]
     # the arms issue 60 names, each with what makes it that arm, at the demo's size
     wanted = {"grpo": ["algo.mode=vanilla"], "kl_cov": ["algo.mode=kl_cov"], "clip_cov": ["algo.mode=clip_cov"],
               "bonus_adaptive": ["knob=entropy_coef", "delta=0.005", "gate=true", "inclusive=true"],

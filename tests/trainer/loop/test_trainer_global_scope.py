@@ -108,6 +108,7 @@ def _rollouts(path: Path):
 
 def _run_all(rank: int, world: int, out_dir: Path, runs) -> None:
     """Every run of ``runs`` on this rank: fresh engine, one update_policy; saves selections and the update."""
+    from fastcov.trainer import mini_batch as mini_batch_mod
     from fastcov.trainer import train as train_mod
     from fastcov.trainer.runtime.distributed import init_distributed
     from fastcov.trainer.runtime.model import PolicyModel, load_tokenizer
@@ -120,7 +121,7 @@ def _run_all(rank: int, world: int, out_dir: Path, runs) -> None:
     mine = [s for s in seqs_all if rank * per_rank <= s.group < (rank + 1) * per_rank]
 
     selections, n_micro = [], []
-    real_select, real_micro = train_mod.compute_global_selection, train_mod.micro_batches
+    real_select, real_micro = mini_batch_mod.compute_global_selection, train_mod.micro_batches
 
     def spy_select(*args, **kwargs):
         sel = real_select(*args, **kwargs)
@@ -132,7 +133,7 @@ def _run_all(rank: int, world: int, out_dir: Path, runs) -> None:
         n_micro.append(len(mbs))
         return mbs
 
-    train_mod.compute_global_selection, train_mod.micro_batches = spy_select, spy_micro
+    mini_batch_mod.compute_global_selection, train_mod.micro_batches = spy_select, spy_micro
     try:
         for name, mode, scope, budget, packing, _, kept in runs:
             cfg = _config(mode, scope, budget, packing, CORRECTION if name.startswith("rc-") else ())
@@ -152,7 +153,7 @@ def _run_all(rank: int, world: int, out_dir: Path, runs) -> None:
             torch.save({"selections": list(selections), "delta": delta, "n_micro": list(n_micro),
                         "applied": stats.applied_steps}, out_dir / f"{name}-w{world}-r{rank}.pt")
     finally:
-        train_mod.compute_global_selection, train_mod.micro_batches = real_select, real_micro
+        mini_batch_mod.compute_global_selection, train_mod.micro_batches = real_select, real_micro
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
