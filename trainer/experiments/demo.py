@@ -376,16 +376,24 @@ def _checked(ap: argparse.ArgumentParser, args) -> tuple[list[str], tuple[float,
     return algos, style_weights
 
 
+def set_up_process(threads: int) -> None:
+    """What a study's launcher does first: DeepSpeed on the CPU where there is no GPU (unless DS_ACCELERATOR says
+    otherwise) and ``threads`` torch threads (0: torch's default)."""
+    import torch
+
+    if not os.environ.get("DS_ACCELERATOR") and not torch.cuda.is_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    if threads > 0:
+        torch.set_num_threads(threads)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = _parser()
     args = ap.parse_args(argv)
 
     import torch
 
-    if not os.environ.get("DS_ACCELERATOR") and not torch.cuda.is_available():
-        os.environ["DS_ACCELERATOR"] = "cpu"
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
+    set_up_process(args.threads)
     if not torch.cuda.is_available():
         print(f"[demo] CPU: {cpu_model()}; code paths: ATen {torch.backends.cpu.get_cpu_capability()}, "
               f"MKL_CBWR={os.environ.get('MKL_CBWR', 'unset')}, {args.threads} thread(s) per run")

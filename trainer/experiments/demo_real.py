@@ -162,14 +162,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = _parser()
     args = ap.parse_args(argv)
 
-    import torch
-
     from fastcov.errors import UserError, one_line
+    from fastcov.trainer.experiments.demo import set_up_process
 
-    if not os.environ.get("DS_ACCELERATOR") and not torch.cuda.is_available():
-        os.environ["DS_ACCELERATOR"] = "cpu"
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
+    set_up_process(args.threads)
     try:
         return _run(ap, args)
     except (ValueError, UserError) as exc:
