@@ -56,8 +56,9 @@ Rollout correction (TRL's options, TRL's behaviour; ``fastcov.correction``), as 
     vllm_importance_sampling_correction   with use_vllm (TRL's default: on): fastcov.rollout_correction of
     vllm_importance_sampling_mode         log π_old − log π_sampler (TRL's sampling_per_token_logps; NaN → ratio 1),
     vllm_importance_sampling_clip_max/min token_* or sequence_* (summed), *_truncate (clamp) or *_mask (zero outside)
-    off_policy_mask_threshold             fastcov.off_policy_sequence_mask: drop a sequence with A < 0 whose mean
-                                          log π_sampler − log π exceeds it (π_old without the sampler's log-probs)
+    off_policy_mask_threshold             fastcov.correction.off_policy_sequence_mask: drop a sequence with A < 0
+                                          whose mean log π_sampler − log π exceeds it (π_old without the sampler's
+                                          log-probs)
 
 With GSPO and sapo_seq, a per-token weight acts as its row's mean weight, as in TRL (whose sequence ratio takes its
 gradient through the row's mean). With VESPO the vLLM ratio is not a weight: its log joins the old log-probs (in
@@ -631,7 +632,7 @@ class FastcovGRPOTrainer(GRPOTrainer):
     def _fastcov_rollout_weights(self, inputs, logps, old, mask):
         """Per-token loss weights [B, C] (or None) and their metrics: TRL's vLLM importance-sampling correction
         (``fastcov.rollout_correction`` of log π_old − log π_sampler, NaN sampler log-probs → ratio 1) times TRL's
-        off-policy sequence mask (``fastcov.off_policy_sequence_mask`` of log π − log π_sampler, or of
+        off-policy sequence mask (``fastcov.correction.off_policy_sequence_mask`` of log π − log π_sampler, or of
         log π − log π_old without the sampler's log-probs). With VESPO the weights are a pair (the off-policy mask or
         None, the sampler ratio), which ``_compute_loss`` folds into VESPO's sequence ratio as TRL does."""
         weights, metrics = None, {}
