@@ -41,7 +41,7 @@ TOLERANCES = {"logprob_max_abs": 1e-2, "entropy_max_abs": 1e-2, "dhidden_max_rel
 
 
 class Fatal(SystemExit):
-    """Exit ``code`` with a one-line message: the CLI prints it; a caller that catches it (bench/gpu_suite.py)
+    """Exit ``code`` with a one-line message: the CLI prints it; a caller that catches it (bench/gpu_suite/)
     records ``message`` rather than only the exit status."""
 
     def __init__(self, message: str, code: int = 2):

@@ -27,7 +27,8 @@ import torch
 
 from bench import _measure as M
 from bench._common import log
-from bench.kernels.measure import case_main, run_preset
+from bench.kernels.case import case_main
+from bench.kernels.measure import run_preset
 from bench.kernels.presets import PRESET_ALIASES, PRESETS, resolve_presets
 from bench.kernels.render import case_line, jsonl_path, read_jsonl, render_jsonl_md, write_results
 from bench.peers import DEFAULT_IMPLS, IMPLS

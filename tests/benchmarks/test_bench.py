@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from bench import kernels as K
+from bench.kernels import case as KC
 from bench.kernels import measure as KM
 from bench.peers import IMPLS, naive
 
@@ -100,7 +101,7 @@ def test_naive_matches_float64():
     h, w = torch.randn(6, 8), torch.randn(50, 8)
     y = torch.randint(0, 50, (6,))
     lp, ent = naive(h, w, y, 0.7)
-    ref_lp, ref_ent = KM._reference_rows(h, w, y, 0.7, 6)
+    ref_lp, ref_ent = KC._reference_rows(h, w, y, 0.7, 6)
     torch.testing.assert_close(lp.double(), ref_lp, atol=1e-5, rtol=0)
     torch.testing.assert_close(ent.double(), ref_ent, atol=1e-5, rtol=0)
 
@@ -193,14 +194,14 @@ def test_cublas_floor_chain_does_the_four_gemms():
     """The floor closure really computes dW = Zᵀ·H over chunks (with Z = H·Wᵀ): it is not an empty loop."""
     torch.manual_seed(0)
     h, w = torch.randn(40, 8), torch.randn(30, 8)
-    old = KM.FLOOR_CHUNK_BYTES
+    old = KC.FLOOR_CHUNK_BYTES
     try:
-        KM.FLOOR_CHUNK_BYTES = 30 * 4 * 7  # chunks of 7 rows
+        KC.FLOOR_CHUNK_BYTES = 30 * 4 * 7  # chunks of 7 rows
         chain = K.floor_calls(h, w)
         assert chain["chunk"] == 7
         chain["fb"]()
     finally:
-        KM.FLOOR_CHUNK_BYTES = old
+        KC.FLOOR_CHUNK_BYTES = old
     torch.testing.assert_close(chain["dw"], (h @ w.T).T @ h, atol=1e-4, rtol=1e-4)
 
 

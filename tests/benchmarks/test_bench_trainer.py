@@ -1,4 +1,4 @@
-"""bench/trainer.py: the forced long answer (case b) in both engines, the ratios, and a tiny run end to end."""
+"""bench/trainer/: the forced long answer (case b) in both engines, the ratios, and a tiny run end to end."""
 
 import json
 import math

@@ -143,7 +143,7 @@ def test_what_travels_fits_one_call():
 
 
 def test_commit_from_the_environment_without_git(tmp_path, monkeypatch):
-    monkeypatch.setattr(S, "REPO", tmp_path)  # a tree that travelled without .git
+    monkeypatch.setattr(S.runner, "REPO", tmp_path)  # a tree that travelled without .git
     monkeypatch.setenv(S.COMMIT_ENV, "abc123")
     assert S.git_commit() == "abc123"
     monkeypatch.delenv(S.COMMIT_ENV)

@@ -1,4 +1,4 @@
-"""bench/gpu_suite.py on CPU: the parts that need CUDA or vLLM record `unavailable` rows, the kernels smoke preset
+"""bench/gpu_suite/ on CPU: the parts that need CUDA or vLLM record `unavailable` rows, the kernels smoke preset
 and the tiny training run really run, every row reaches the JSONL and the markdown, a part that raises becomes an
 error row and `--part all` goes on; plus the pieces a GPU run depends on, driven with CPU stand-ins.
 (bench/gpu_run.sh, the one device call around it, is rehearsed in tests/benchmarks/test_gpu_run.py.)"""

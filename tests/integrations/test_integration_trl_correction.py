@@ -197,7 +197,7 @@ def test_a_mutated_loss_fails_the_comparison(tmp_path):
     whose terms cancel most) with one advantage's sign flipped, one token off the mask, or the β·KL term dropped."""
     from test_integration_trl import tiny_model
 
-    import fastcov.integrations.trl as fastcov_trl
+    import fastcov.integrations.trl.trainer as fastcov_trl  # where the trainer looks its loss functions up
 
     vllm, options = CASES["vespo_truncate"]
     model_dir = str(tmp_path / "model")

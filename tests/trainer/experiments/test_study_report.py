@@ -1,30 +1,12 @@
-"""The study's statistics: Student's t without scipy, intervals, and the tables from per-seed runs."""
+"""The study's report: the tables from per-seed runs, the selection and controller sections (Student's t and the
+intervals: test_student_t.py)."""
 
 import math
 
 import pytest
 
-from fastcov.trainer.experiments.study_report import diff_ci, mean_ci, study_tables, t_cdf, t_quantile
-
-# two-sided 95% critical values of Student's t (standard tables)
-T975 = {1: 12.706, 2: 4.303, 3: 3.182, 5: 2.571, 10: 2.228, 30: 2.042, 1000: 1.962}
-
-
-@pytest.mark.parametrize("dof,want", sorted(T975.items()))
-def test_t_quantile_matches_the_tables(dof, want):
-    assert t_quantile(0.975, dof) == pytest.approx(want, abs=2e-3)
-    assert t_cdf(want, dof) == pytest.approx(0.975, abs=1e-4)
-    assert t_quantile(0.025, dof) == pytest.approx(-want, abs=2e-3)
-
-
-def test_mean_ci_and_welch_by_hand():
-    mean, half = mean_ci([1.0, 2.0, 3.0])
-    assert mean == 2.0 and half == pytest.approx(4.303 * 1.0 / math.sqrt(3), rel=1e-3)
-    assert mean_ci([5.0]) == (5.0, None)
-    gap, half = diff_ci([1.0, 2.0, 3.0], [1.0, 2.0, 3.0])
-    assert gap == 0.0 and half == pytest.approx(2.776 * math.sqrt(2 / 3), rel=1e-3)  # equal variances: dof 4
-    with pytest.raises(ValueError):
-        mean_ci([])
+from fastcov.trainer.experiments.student_t import diff_ci
+from fastcov.trainer.experiments.study_report import study_tables
 
 
 def _run(start, end, passk, steps=40, seed=0):
