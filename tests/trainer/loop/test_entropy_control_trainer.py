@@ -2,14 +2,11 @@
 algo.entropy_advantage (Cheng et al.'s shaping), the one-line warning for on-policy KL-Cov, their config errors."""
 
 import math
-import os
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
-
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")

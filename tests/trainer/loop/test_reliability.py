@@ -13,9 +13,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
 from _dist import without_rank_environment
 from _fixtures import ROOT, TINY
 

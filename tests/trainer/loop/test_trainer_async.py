@@ -18,8 +18,6 @@ from pathlib import Path
 import pytest
 import torch
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
 pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")
 

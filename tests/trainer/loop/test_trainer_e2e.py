@@ -1,12 +1,9 @@
 """The training loop end to end on CPU: a tiny step, resume exactness, faults, the CLI."""
 
 import json
-import os
 
 import pytest
 import torch
-
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")

@@ -6,13 +6,11 @@ and multiply the per-token loss of every mode (``update_policy``); they do not m
 """
 
 import math
-import os
 import random
 
 import pytest
 import torch
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
 pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")
 

@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import random
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
 from _fixtures import ROOT, TINY
 
 from fastcov.trainer.runtime.checkpoint import (

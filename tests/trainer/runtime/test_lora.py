@@ -2,12 +2,8 @@
 are checkpointed and resumed bit-exactly; the HF engine samples from the adapted model itself; the
 reference is the base with the adapters switched off."""
 
-import os
-
 import pytest
 import torch
-
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")

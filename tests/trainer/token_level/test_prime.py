@@ -1,13 +1,9 @@
 """PRIME: implicit process rewards (token rewards, returns, the CE-trained PRM) and a tiny CPU run."""
 
-import os
-
 import pytest
 import torch
 
 from fastcov import token_advantages as ta
-
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 def rand_batch(B=6, T=5, seed=0):

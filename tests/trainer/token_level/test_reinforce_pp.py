@@ -1,7 +1,6 @@
 """REINFORCE++ as published: token-level KL penalty in the reward, returns, batch-level normalisation;
 a tiny CPU run; the recipe."""
 
-import os
 import pathlib
 
 import pytest
@@ -9,7 +8,6 @@ import torch
 
 from fastcov import token_advantages as ta
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
 CONFIGS = pathlib.Path(__file__).resolve().parents[3] / "configs"
 
 
