@@ -1,4 +1,4 @@
-"""Checkpoint and run-directory guarantees, piece by piece (tests/trainer/loop/test_fault_injection.py kills whole runs)."""
+"""Checkpoint and run-directory guarantees, piece by piece (tests/trainer/e2e/test_fault_injection.py kills whole runs)."""
 
 from __future__ import annotations
 
