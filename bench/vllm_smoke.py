@@ -123,7 +123,7 @@ def vllm_score(engine, prompts, responses):
     """vLLM's raw log-probs of given response tokens (prompt log-probs of prompt+response), through the
     engine's own wake/sleep so the sleep state stays consistent."""
     from fastcov.trainer.rollout import SamplingParams
-    from fastcov.trainer.rollout_vllm import sampling_kwargs
+    from fastcov.trainer.rollout.vllm_wire import sampling_kwargs
 
     if not engine.weights_valid:  # after a level-2 sleep: the policy's current weights, as generate does
         engine.update_weights(engine.refresh())

@@ -8,6 +8,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# DeepSpeed picks its accelerator when first imported; the tests run it on CPU unless the caller chose another.
+# Set once here for every room (subprocess drivers that skip conftest set their own).
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
 
 @pytest.fixture(autouse=True)
 def _restore_the_environment():

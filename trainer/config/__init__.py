@@ -26,7 +26,7 @@ from fastcov.trainer.config.checks import SELECTION_FREE_MODES, TRACKER_INSTALL,
 from fastcov.trainer.config.correction import RolloutCorrectionConfig
 from fastcov.trainer.config.data import DataConfig, SyntheticConfig
 from fastcov.trainer.config.entropy import EntropyAdvantageConfig, EntropyControlConfig, PosWeightConfig
-from fastcov.trainer.config.load import MOVED_KEYS, apply_overrides, config_from_dict, load_config, save_config
+from fastcov.trainer.config.load import MOVED_KEYS, apply_overrides, config_from_dict, load_config
 from fastcov.trainer.config.model import LORA_TARGETS, ModelConfig
 from fastcov.trainer.config.optim import OptimConfig
 from fastcov.trainer.config.reward import CodeRewardConfig, RewardConfig
@@ -39,7 +39,7 @@ __all__ = ["LORA_TARGETS", "MOVED_KEYS", "SELECTION_FREE_MODES", "TRACKER_INSTAL
            "EntropyControlConfig", "ModelConfig", "OptimConfig", "PosWeightConfig", "PrimeConfig", "RewardConfig",
            "RolloutConfig", "RolloutCorrectionConfig", "SyntheticConfig", "TrainerConfig", "UserError",
            "apply_overrides", "config_from_dict", "config_key", "load_config", "positive_weight_schedule",
-           "save_config", "validate"]
+           "validate"]
 
 # the run-time builders moved to the loop (after 0.5.0): still found here, with a one-line FutureWarning
 _MOVED = {"loss_config": "fastcov.trainer.controls", "entropy_controller": "fastcov.trainer.controls",

@@ -335,11 +335,3 @@ def _check_file_sections(data: dict[str, Any], cls: type, prefix: str, path: str
             raise ConfigError(f"config file {path!r}: {prefix}{f.name}: expected a section (key: value lines), "
                               f"got {value!r}")
         _check_file_sections(value, tp, f"{prefix}{f.name}.", path)
-
-
-def save_config(cfg: Config, path: str | Path) -> None:
-    """Write ``cfg`` as YAML, in the sections' field order (``load_config`` reads it back to an equal Config)."""
-    import yaml
-
-    with open(path, "w") as f:
-        yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)

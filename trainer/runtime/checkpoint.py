@@ -84,7 +84,7 @@ def fsync_tree(root: Path) -> None:
         fsync_path(Path(dirpath))
 
 
-# Fault-injection seam (tests/trainer/loop/test_reliability.py, tests/trainer/loop/test_fault_injection.py): each
+# Fault-injection seam (tests/trainer/loop/test_reliability.py, tests/trainer/e2e/test_fault_injection.py): each
 # hook is called as hook(path, stage) with stage "written" (the temporary file is on disk, the old file untouched)
 # and "replaced" (the rename is done). Nothing in fastcov registers one.
 REWRITE_HOOKS: list = []

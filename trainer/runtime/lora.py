@@ -125,11 +125,6 @@ def _peft_config(model: nn.Module):
     return getattr(model, "peft_config")[ADAPTER]  # noqa: B009 - nn.Module's __getattr__ would type it Tensor | Module
 
 
-def trainable_named(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """(name, parameter) of what trains: the adapters (and the head when listed)."""
-    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-
-
 @contextlib.contextmanager
 def adapters_disabled(model: nn.Module) -> Iterator[nn.Module]:
     """The base model: every LoRA layer of ``model`` bypassed inside the block, back on after (peft's

@@ -53,10 +53,6 @@ def checkpoints_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / CHECKPOINTS
 
 
-def final_dir(run_dir: str | Path) -> Path:
-    return Path(run_dir) / FINAL
-
-
 def data_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / DATA
 

@@ -19,9 +19,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
 from _fixtures import TINY  # noqa: E402
 
 TORN_STATE = '{"step": 1,'

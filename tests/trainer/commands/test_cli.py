@@ -3,14 +3,10 @@ configs found in the installed package, `model.path` replacing the file's `model
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
 import pytest
-
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
 from _dist import without_rank_environment  # noqa: E402
 from _fixtures import ROOT, TINY  # noqa: E402
 

@@ -4,7 +4,7 @@
 import pytest
 from _fixtures import ROOT, TINY  # noqa: E402
 
-from fastcov.trainer.config import ConfigError, load_config, save_config
+from fastcov.trainer.config import ConfigError, load_config
 
 DEMO = ROOT / "configs" / "demo.yaml"
 
@@ -63,8 +63,14 @@ def test_malformed_override_and_missing_file(tmp_path):
 
 
 def test_resolved_config_round_trips(tmp_path):
+    """The config.yaml a run writes (run_log.open_run_files) reads back to an equal Config."""
+    import contextlib
+
+    from fastcov.trainer.runtime.run_log import open_run_files
+
     cfg = load_config(TINY, ["algo.mode=kl_cov"])
-    save_config(cfg, tmp_path / "config.yaml")
+    with contextlib.ExitStack() as closing:
+        open_run_files(tmp_path, cfg.to_dict(), cfg.trainer, None, closing)
     again = load_config(tmp_path / "config.yaml")
     assert again == cfg
 

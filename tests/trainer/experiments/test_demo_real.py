@@ -3,11 +3,9 @@ the conversion, the level scan and its cache, three runs, the before/after evalu
 the level pick and the preset's install hint."""
 
 import json
-import os
 
 import pytest
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
 pytest.importorskip("gguf")
 
 from fastcov.trainer.experiments import demo_real

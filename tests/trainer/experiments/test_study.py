@@ -1,12 +1,10 @@
 """Jin et al.'s re-weighting knobs in the config, and the study runner on the demo task (tiny settings)."""
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
 ROOT = Path(__file__).resolve().parents[3]
 STUDY = ROOT / "configs" / "studies" / "jin-reweight.yaml"
 # a study at test size: a 2-step warm start on 64 problems, 4 held out; runs of 2 prompts x 4 short answers

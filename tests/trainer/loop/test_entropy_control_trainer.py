@@ -2,19 +2,17 @@
 algo.entropy_advantage (Cheng et al.'s shaping), the one-line warning for on-policy KL-Cov, their config errors."""
 
 import math
-import os
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
 pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")
 
-from _fixtures import ROOT, TINY, VOLATILE
+import _fixtures
+from _fixtures import ROOT, TINY, odd_length_reward, stable
 
 from fastcov.trainer import controls
 from fastcov.trainer import train as train_mod
@@ -23,19 +21,11 @@ from fastcov.trainer.rewards import RewardFn
 from fastcov.trainer.runtime.batch import Sequence
 from fastcov.trainer.runtime.run_dir import read_metrics
 
-
-@pytest.fixture(autouse=True)
-def varied_rewards(monkeypatch):
-    monkeypatch.setattr(RewardFn, "__call__", lambda self, text, truth: float(len(text) % 2))
+pytestmark = pytest.mark.usefixtures("varied_rewards")  # tests/trainer/conftest.py
 
 
-def tiny(tmp_path, name, *overrides):
-    return load_config(TINY, [f"trainer.run_dir={tmp_path / name}", "reward.sandbox=inline", "trainer.eval_every=0",
-                              *overrides])
-
-
-def stable(recs):
-    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in recs]
+def tiny(tmp_path, name, *overrides):  # the shared one, without evaluation
+    return _fixtures.tiny(tmp_path, name, "trainer.eval_every=0", *overrides)
 
 
 def test_controller_resumes_bit_exact_and_follows_its_rule(tmp_path):
@@ -230,7 +220,7 @@ def _ranks_worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
     set_rank_environment(rank, world, port)
     torch.set_num_threads(1)
-    RewardFn.__call__ = lambda self, text, truth: float(len(text) % 2)
+    RewardFn.__call__ = odd_length_reward  # a spawned rank: no fixture reaches it
     cfg = load_config(TINY, [f"trainer.run_dir={out_dir}/run", "trainer.max_steps=3", "reward.sandbox=inline",
                              "trainer.eval_every=0", "rollout.seeding=per_sample", *CONTROL])
     train_mod.train(cfg)

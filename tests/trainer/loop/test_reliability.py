@@ -13,9 +13,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
 from _dist import without_rank_environment
 from _fixtures import ROOT, TINY
 
@@ -25,12 +22,9 @@ BASE = ["reward.sandbox=inline", "trainer.eval_every=0", "trainer.max_steps=2"]
 
 
 @pytest.fixture
-def train_mod(monkeypatch):
+def train_mod(varied_rewards):
     from fastcov.trainer import train as train_mod
-    from fastcov.trainer.rewards import RewardFn
 
-    # an untrained model never answers right: reward odd-length responses so advantages are non-zero
-    monkeypatch.setattr(RewardFn, "__call__", lambda self, text, truth: float(len(text) % 2))
     return train_mod
 
 

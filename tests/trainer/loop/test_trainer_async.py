@@ -18,17 +18,15 @@ from pathlib import Path
 import pytest
 import torch
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
 pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")
 
+import _fixtures  # noqa: E402
 from _dist import without_rank_environment  # noqa: E402
-from _fixtures import ROOT, TINY, VOLATILE  # noqa: E402
+from _fixtures import ROOT, TINY, VOLATILE, tiny  # noqa: E402
 
 from fastcov.trainer import train as train_mod  # noqa: E402
 from fastcov.trainer.config import ConfigError, load_config  # noqa: E402
-from fastcov.trainer.rewards import RewardFn  # noqa: E402
 from fastcov.trainer.runtime.run_dir import read_metrics  # noqa: E402
 
 STEPS = 4
@@ -36,18 +34,11 @@ STEPS = 4
 TIMING = (*VOLATILE, "async/queue_depth")
 
 
-@pytest.fixture(autouse=True)
-def varied_rewards(monkeypatch):
-    """An untrained model never answers right; reward odd-length responses so advantages are non-zero."""
-    monkeypatch.setattr(RewardFn, "__call__", lambda self, text, truth: float(len(text) % 2))
+pytestmark = pytest.mark.usefixtures("varied_rewards")  # tests/trainer/conftest.py
 
 
-def tiny(tmp_path, name, *overrides):
-    return load_config(TINY, [f"trainer.run_dir={tmp_path / name}", "reward.sandbox=inline", *overrides])
-
-
-def stable(rows, drop=TIMING):
-    return [{k: v for k, v in r.items() if not k.startswith(drop)} for r in rows]
+def stable(rows, drop=TIMING):  # also without the queue depth, which depends on timing
+    return _fixtures.stable(rows, drop)
 
 
 # ------------------------------------------------------------------------------------ one_step, in processes

@@ -1,36 +1,20 @@
 """The training loop end to end on CPU: a tiny step, resume exactness, faults, the CLI."""
 
 import json
-import os
 
 import pytest
 import torch
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
 pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")
 
-from _fixtures import TINY, VOLATILE
+from _fixtures import TINY, stable, tiny
 
 from fastcov.trainer import train as train_mod
-from fastcov.trainer.config import load_config
 from fastcov.trainer.rewards import RewardFn
 from fastcov.trainer.runtime.run_dir import read_metrics
 
-
-@pytest.fixture(autouse=True)
-def varied_rewards(monkeypatch):
-    """An untrained model never answers right; reward odd-length responses so advantages are non-zero."""
-    monkeypatch.setattr(RewardFn, "__call__", lambda self, text, truth: float(len(text) % 2))
-
-
-def tiny(tmp_path, name, *overrides):
-    return load_config(TINY, [f"trainer.run_dir={tmp_path / name}", "reward.sandbox=inline", *overrides])
-
-
-def stable(recs):
-    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in recs]
+pytestmark = pytest.mark.usefixtures("varied_rewards")  # tests/trainer/conftest.py
 
 
 def test_tiny_end_to_end_step(tmp_path):

@@ -9,7 +9,6 @@ runs but selects per micro-batch, which changes the update (so the comparison ca
 """
 
 import copy
-import os
 import random
 from pathlib import Path
 
@@ -18,7 +17,6 @@ import torch
 from _dist import free_port as _free_port
 from _dist import set_rank_environment, shutdown_process_group, spawn_ranks
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
 pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")
 

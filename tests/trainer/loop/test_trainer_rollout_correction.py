@@ -6,29 +6,26 @@ and multiply the per-token loss of every mode (``update_policy``); they do not m
 """
 
 import math
-import os
 import random
 
 import pytest
 import torch
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
 pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")
 
-from _fixtures import TINY
+import _fixtures
 
 from fastcov.correction import rollout_correction
 from fastcov.trainer import train as train_mod
-from fastcov.trainer.config import ConfigError, load_config
+from fastcov.trainer.config import ConfigError
 from fastcov.trainer.controls import rollout_correction_enabled
-from fastcov.trainer.rewards import RewardFn
 from fastcov.trainer.runtime.batch import Sequence
 from fastcov.trainer.runtime.run_dir import read_metrics
 
 
-def tiny(tmp_path, *overrides):
-    return load_config(TINY, [f"trainer.run_dir={tmp_path / 'run'}", "reward.sandbox=inline", *overrides])
+def tiny(tmp_path, *overrides):  # the shared one, into <tmp_path>/run
+    return _fixtures.tiny(tmp_path, "run", *overrides)
 
 
 def test_default_is_off_for_the_hf_engine_and_on_for_vllm(tmp_path):
@@ -108,8 +105,7 @@ def test_correct_rollouts_stores_the_librarys_weights_and_logs_verls_metrics(tmp
 
 
 @pytest.mark.parametrize("mode", ["cispo", "sapo", "gspo", "vespo"])
-def test_a_step_of_each_mode_with_the_correction_logs_finite_metrics(tmp_path, mode, monkeypatch):
-    monkeypatch.setattr(RewardFn, "__call__", lambda self, text, truth: float(len(text) % 2))
+def test_a_step_of_each_mode_with_the_correction_logs_finite_metrics(tmp_path, mode, varied_rewards):
     cfg = tiny(tmp_path, f"algo.mode={mode}", "trainer.max_steps=1", "trainer.eval_every=0",
                "algo.rollout_correction.enabled=true", "algo.rollout_correction.rejection=seq_mean_k3",
                "algo.rollout_correction.rejection_threshold=0.01", "algo.loss.high_entropy_fraction=0.5")

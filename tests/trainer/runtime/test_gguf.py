@@ -4,7 +4,6 @@ into a Hugging Face directory that trains, checkpoints and resumes; a missing gg
 transformers cannot read and a directory with two files stop in one line."""
 
 import json
-import os
 import subprocess
 import sys
 
@@ -12,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
 pytest.importorskip("gguf")
 pytest.importorskip("transformers")
 

@@ -2,23 +2,19 @@
 are checkpointed and resumed bit-exactly; the HF engine samples from the adapted model itself; the
 reference is the base with the adapters switched off."""
 
-import os
-
 import pytest
 import torch
-
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from _fixtures import TINY, VOLATILE
+import _fixtures
+from _fixtures import TINY, stable
 
 from fastcov.trainer import start as start_mod
 from fastcov.trainer import train as train_mod
 from fastcov.trainer.config import ConfigError, load_config
-from fastcov.trainer.rewards import RewardFn
 from fastcov.trainer.runtime.run_dir import read_metrics
 from fastcov.trainer.token_level import advantages as adv_mod
 from fastcov.trainer.token_level.prime import AdaptersOffReference, FrozenModel
@@ -28,19 +24,11 @@ LORA = ["model.lora_rank=4", "model.lora_alpha=8"]
 QLORA = [*LORA, "model.quantization=4bit", "model.arch.hidden_size=64", "model.arch.intermediate_size=128"]
 
 
-@pytest.fixture(autouse=True)
-def varied_rewards(monkeypatch):
-    """An untrained model never answers right; reward odd-length responses so advantages are non-zero."""
-    monkeypatch.setattr(RewardFn, "__call__", lambda self, text, truth: float(len(text) % 2))
+pytestmark = pytest.mark.usefixtures("varied_rewards")  # tests/trainer/conftest.py
 
 
-def tiny(tmp_path, name, *overrides):
-    return load_config(TINY, [f"trainer.run_dir={tmp_path / name}", "reward.sandbox=inline", "trainer.eval_every=0",
-                              "trainer.device=cpu", *overrides])
-
-
-def stable(recs):
-    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in recs]
+def tiny(tmp_path, name, *overrides):  # the shared one, without evaluation, on CPU
+    return _fixtures.tiny(tmp_path, name, "trainer.eval_every=0", "trainer.device=cpu", *overrides)
 
 
 @pytest.mark.parametrize("override, message", [

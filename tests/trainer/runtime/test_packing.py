@@ -5,7 +5,6 @@ each sequence) must give the log-probs, entropies and gradients of one padded se
 every micro-batch must respect the token budget.
 """
 
-import os
 import random
 from pathlib import Path
 
@@ -13,7 +12,6 @@ import pytest
 import torch
 from _agreement import fp32_loss_tolerance, loss_term_scale
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
 pytest.importorskip("transformers")
 
 from fastcov.trainer.config import load_config

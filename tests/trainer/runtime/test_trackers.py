@@ -5,14 +5,10 @@ unknown or missing tracker, and a tracker registered by a trainer.imports module
 from __future__ import annotations
 
 import math
-import os
 import warnings
 from pathlib import Path
 
 import pytest
-
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
 from _fixtures import TINY  # noqa: E402
 
 from fastcov.trainer.config import ConfigError, load_config  # noqa: E402

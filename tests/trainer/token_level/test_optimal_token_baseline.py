@@ -4,14 +4,10 @@ CPU run whose step-4 pass gives the old log-probs and Σπ² the advantages are 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from fastcov import token_advantages as ta
-
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 def _loop_otb(rewards, mask, groups, logp, sum_p2, weights=None, zero_tail=False, eps=1e-8):

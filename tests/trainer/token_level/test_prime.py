@@ -1,13 +1,9 @@
 """PRIME: implicit process rewards (token rewards, returns, the CE-trained PRM) and a tiny CPU run."""
 
-import os
-
 import pytest
 import torch
 
 from fastcov import token_advantages as ta
-
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 def rand_batch(B=6, T=5, seed=0):
@@ -93,15 +89,12 @@ def test_implicit_prm_learns_to_separate_outcomes():
     assert min(final_reward[0::2]) > max(final_reward[1::2])  # the deciding token gets the credit
 
 
-def test_prime_tiny_run_and_resume(tmp_path, monkeypatch):
+def test_prime_tiny_run_and_resume(tmp_path, varied_rewards):
     pytest.importorskip("deepspeed")
     pytest.importorskip("transformers")
     from fastcov.trainer import train as train_mod
     from fastcov.trainer.config import load_config
-    from fastcov.trainer.rewards import RewardFn
     from fastcov.trainer.runtime.run_dir import read_metrics
-
-    monkeypatch.setattr(RewardFn, "__call__", lambda self, text, truth: float(len(text) % 2))
 
     def cfg(name):
         return load_config("configs/tiny.yaml", [

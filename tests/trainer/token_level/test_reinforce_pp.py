@@ -1,7 +1,6 @@
 """REINFORCE++ as published: token-level KL penalty in the reward, returns, batch-level normalisation;
 a tiny CPU run; the recipe."""
 
-import os
 import pathlib
 
 import pytest
@@ -9,7 +8,6 @@ import torch
 
 from fastcov import token_advantages as ta
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
 CONFIGS = pathlib.Path(__file__).resolve().parents[3] / "configs"
 
 
@@ -36,15 +34,13 @@ def test_returns_match_a_loop():
     assert torch.equal(flat, torch.where(mask, outcome[:, None].double(), 0.0))
 
 
-def test_tiny_run_token_level_kl_and_batch_normalisation(tmp_path, monkeypatch):
+def test_tiny_run_token_level_kl_and_batch_normalisation(tmp_path, monkeypatch, varied_rewards):
     pytest.importorskip("deepspeed")
     pytest.importorskip("transformers")
     from fastcov.trainer import train as train_mod
     from fastcov.trainer.config import load_config
-    from fastcov.trainer.rewards import RewardFn
     from fastcov.trainer.runtime.run_dir import read_metrics
 
-    monkeypatch.setattr(RewardFn, "__call__", lambda self, text, truth: float(len(text) % 2))
     seen = []
     real = train_mod.update_policy
 
@@ -80,17 +76,15 @@ def test_recipe():
     assert cfg.algo.adv_estimator == "prime" and (p.beta, p.lr, p.acc_low, p.acc_high) == (0.05, 1e-6, 0.2, 0.8)
 
 
-def test_zero3_reference_is_the_gathered_starting_policy(tmp_path, monkeypatch):
+def test_zero3_reference_is_the_gathered_starting_policy(tmp_path, varied_rewards):
     """Under ZeRO-3 the policy is created partitioned; the reference must still be the full starting
     weights: the first step's KL to it is exactly 0."""
     pytest.importorskip("deepspeed")
     pytest.importorskip("transformers")
     from fastcov.trainer import train as train_mod
     from fastcov.trainer.config import load_config
-    from fastcov.trainer.rewards import RewardFn
     from fastcov.trainer.runtime.run_dir import read_metrics
 
-    monkeypatch.setattr(RewardFn, "__call__", lambda self, text, truth: float(len(text) % 2))
     cfg = load_config("configs/tiny.yaml", [
         f"trainer.run_dir={tmp_path / 'z3'}", "reward.sandbox=inline", "algo.adv_estimator=reinforce_pp",
         "algo.kl_coef=0.5", "algo.mode=vanilla", "trainer.max_steps=1", "trainer.eval_every=0",

@@ -151,7 +151,6 @@ def test_zero3_loads_partitioned_and_steps_like_the_unsharded_run(tmp_path):
         torch.testing.assert_close(zero3["loaded"][name], t, atol=0, rtol=0, msg=name)
 
     # the unsharded reference: one process, ZeRO 0, the whole batch
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import subprocess
 
     script = f"""

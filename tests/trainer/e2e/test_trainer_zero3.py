@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from _dist import free_port as _free_port
 from _dist import set_rank_environment, shutdown_process_group, spawn_ranks
+from _fixtures import odd_length_reward
 
 pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")
@@ -25,7 +26,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, copies: str) -> None
     from fastcov.trainer.config import load_config
     from fastcov.trainer.rewards import RewardFn
 
-    RewardFn.__call__ = lambda self, text, truth: float(len(text) % 2)
+    RewardFn.__call__ = odd_length_reward  # a spawned rank: no fixture reaches it
     cfg = load_config(ROOT / "configs" / "tiny.yaml", [
         f"trainer.run_dir={out_dir}/run", "trainer.zero_stage=3", "trainer.max_steps=1",
         "trainer.eval_every=1", "reward.sandbox=inline", "algo.mini_batches=1", f"rollout.hf_copies={copies}",

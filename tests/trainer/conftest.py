@@ -1,0 +1,13 @@
+"""What the trainer's tests share (plain helpers, also used by subprocess drivers, are in tests/_fixtures.py)."""
+
+import pytest
+from _fixtures import odd_length_reward
+
+
+@pytest.fixture
+def varied_rewards(monkeypatch):
+    """An untrained model never answers right: reward odd-length responses so advantages are non-zero. A module
+    whose every test trains asks for it with ``pytestmark = pytest.mark.usefixtures("varied_rewards")``."""
+    from fastcov.trainer.rewards import RewardFn
+
+    monkeypatch.setattr(RewardFn, "__call__", odd_length_reward)
