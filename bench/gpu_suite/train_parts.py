@@ -176,17 +176,25 @@ def record_vllm(s: Suite, size: str, proc: Proc) -> None:
 # =========================================================================== part: trainer
 
 
+def peer_bench_can_run(s: Suite, part: str, name: str) -> bool:
+    """Whether a part that runs TRL beside fastcov (trainer, memory) can: TRL installed, and CUDA at full size.
+    Records the part ``unavailable`` when it cannot."""
+    if importlib.util.find_spec("trl") is None:
+        s.record(part, name, "unavailable", "trl not installed")
+        return False
+    if s.size == "full" and not torch.cuda.is_available():
+        s.record(part, name, "unavailable", "needs CUDA")
+        return False
+    return True
+
+
 def part_trainer(s: Suite) -> None:
     """``python -m bench.trainer --preset gpu-1.5b`` (full size; ``tiny`` otherwise): fastcov's trainer against
     TRL's GRPOTrainer at Qwen2.5-1.5B's decoder shape. Not in the default order: TRL is not in the GPU image and
     the run alone needs most of one call (``--parts trainer --budget 420``)."""
-    if importlib.util.find_spec("trl") is None:
-        s.record("trainer", "bench.trainer", "unavailable", "trl not installed")
+    if not peer_bench_can_run(s, "trainer", "bench.trainer"):
         return
     full = s.size == "full"
-    if full and not torch.cuda.is_available():
-        s.record("trainer", "bench.trainer", "unavailable", "needs CUDA")
-        return
     out = s.dir / "trainer.jsonl"
     proc = s.run([sys.executable, "-m", "bench.trainer", "--preset", "gpu-1.5b" if full else "tiny",
                   "--cases", "a,b,c" if full else "a", "--work", str(s.dir / "bench-trainer"), "--jsonl", str(out)])
@@ -204,13 +212,9 @@ def part_memory(s: Suite) -> None:
     """``python -m bench.memory_sweep --preset gpu-1.5b`` (full size; ``tiny`` otherwise): one row per arm with the
     peak memory at each answer length and the first length it ran out of memory at. Not in the default order:
     TRL is not in the GPU image (``--parts memory --budget 480``)."""
-    if importlib.util.find_spec("trl") is None:
-        s.record("memory", "bench.memory_sweep", "unavailable", "trl not installed")
+    if not peer_bench_can_run(s, "memory", "bench.memory_sweep"):
         return
     full = s.size == "full"
-    if full and not torch.cuda.is_available():
-        s.record("memory", "bench.memory_sweep", "unavailable", "needs CUDA")
-        return
     out = s.dir / "memory.jsonl"
     before = len(read_jsonl(out)) if out.is_file() else 0
     arms = ["fastcov", "trl", "trl+liger"]
