@@ -25,8 +25,7 @@ ADAPTIVE = dict(use_adaptive_entropy=True, entropy_coef=0.01, entropy_coef_delta
 def _run(kind: str, model_dir: str, out_dir: str) -> dict:
     import datasets
     import trl
-    from test_integration_trl import reward_digits, tiny_tokenizer
-    from test_integration_trl_correction import recording_trainer
+    from _trl_harness import recording_trainer, reward_digits, tiny_tokenizer
 
     from fastcov.integrations.trl import FastcovGRPOConfig, FastcovGRPOTrainer
 
@@ -65,7 +64,7 @@ def _two_process_body(model_dir: str, out_dir: str) -> dict:
 
 @pytest.mark.slow
 def test_adaptive_entropy_equals_trl_on_two_processes(tmp_path):
-    from test_integration_trl import tiny_model
+    from _trl_harness import tiny_model
 
     model_dir = str(tmp_path / "model")
     tiny_model().save_pretrained(model_dir)
