@@ -7,14 +7,13 @@ importance sampling (GSPO), loss_type cispo / sapo / luspo / vespo (cispo and sa
 loss at every step and the same update of every parameter. There is no vLLM here: generation is TRL's own
 (transformers) path with the sampler's per-token log-probs returned beside the completions, as vLLM returns them,
 and ``use_vllm`` set on the trainer after construction. ``steps_per_generation=2`` with one micro-batch per step
-makes the second step of each rollout off-policy (its ratios are not 1). One config also runs on 2 processes.
-Both trainers run, and are compared, by tests/_trl_harness.py.
+makes the second step of each rollout off-policy (its ratios are not 1). Both trainers run, and are compared, by
+tests/_trl_harness.py; one config on 2 processes: tests/integrations/e2e/test_integration_trl_correction_e2e.py.
 """
 
 import pytest
 import torch
-from _dist import free_port, read_rank_reports, report_rank, spawn_ranks
-from _trl_harness import STEPS, check, for_report, run, tiny_model
+from _trl_harness import check, run, tiny_model
 
 pytest.importorskip("trl")
 pytest.importorskip("datasets")
@@ -111,35 +110,6 @@ def test_a_mutated_loss_fails_the_comparison(tmp_path):
             ours = run("fastcov", str(tmp_path), model_dir, vllm, options)
         with pytest.raises(AssertionError):
             check(ours, theirs, mutation)
-
-
-# ---------------------------------------------------------------- two processes
-
-WORLD = 2
-TWO_PROCESS_CASE = "gspo"  # GSPO, the token-level vLLM ratio and (below) the off-policy mask
-
-
-def _two_process_body(model_dir: str, out_dir: str, world: int) -> dict:
-    """One rank of the 2-process case (run by ``report_rank``): TRL's run, then fastcov's."""
-    from accelerate import PartialState
-
-    PartialState(backend="gloo", cpu=True)
-    vllm, options = CASES[TWO_PROCESS_CASE]
-    options = dict(off_policy_mask_threshold=0.01, **options)
-    return {kind: for_report(run(kind, out_dir, model_dir, vllm, options, world=world))
-            for kind in ("trl", "fastcov")}
-
-
-@pytest.mark.slow
-def test_gspo_vllm_ratio_and_off_policy_mask_equal_trl_on_two_processes(tmp_path):
-    model_dir = str(tmp_path / "model")
-    tiny_model().save_pretrained(model_dir)
-    spawn_ranks(report_rank, (WORLD, free_port(), str(tmp_path), _two_process_body, model_dir, str(tmp_path), WORLD),
-                WORLD)
-    for rank, res in enumerate(read_rank_reports(tmp_path, WORLD)):
-        # a rank's loss is its share of a global mean that can cancel to near 0: the terms' scale sets the bound
-        check(res["fastcov"], res["trl"], f"rank {rank}")
-        assert sum(loss != 0.0 for loss in res["trl"]["losses"]) >= STEPS // 2, res["trl"]["losses"]  # not all masked
 
 
 # ---------------------------------------------------------------- the options' checks
