@@ -39,11 +39,11 @@ docs: $(DOCS_STAMP)
 docs-serve: $(DOCS_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve
 
-# The development loop: everything but the end-to-end runs, which live in each room's e2e/ folder (tests/trainer/e2e/:
-# whole training runs, several processes). Until every slow test has moved there (issue 56), the rest still carry
-# the slow mark and are left out by it too.
+# The development loop: everything but the end-to-end runs, which live in each room's e2e/ folder (whole training
+# runs, several processes, fresh processes that measure memory). Every slow test is in one
+# (tests/project/test_e2e_folders.py), so the folder alone leaves them out.
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -ra --ignore-glob="*/e2e/*" -m "not slow"
+	$(PY) -m pytest -q -ra --ignore-glob="*/e2e/*"
 
 # Two hosts on this machine: network + UTS namespaces joined by a veth pair, torchrun on each
 # (tests/multinode). Needs root, as CI has; removes what it makes. About 70 s of CPU; on 2 cores shared with

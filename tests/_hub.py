@@ -11,12 +11,33 @@ import base64
 import hashlib
 import json
 import re
+import subprocess
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import yaml
+from _dist import without_rank_environment
+from _fixtures import ROOT
 
 TOKEN = "hf_standin_token"
+
+
+def hub_env(home: Path, endpoint: str, token: str | None = TOKEN) -> dict[str, str]:
+    """This process's environment for a command that talks to the Hub at ``endpoint``: no rank variables, no
+    FASTCOV_DEBUG, huggingface_hub's caches in ``home``, ``token`` as HF_TOKEN (none when None), DeepSpeed on CPU."""
+    env = without_rank_environment("FASTCOV_DEBUG", "HF_TOKEN", "HF_HUB_OFFLINE", "HF_ENDPOINT", "HF_HOME")
+    env.update(HF_ENDPOINT=endpoint, HF_HOME=str(home), HF_HUB_DISABLE_TELEMETRY="1", DS_ACCELERATOR="cpu")
+    if token is not None:
+        env["HF_TOKEN"] = token
+    return env
+
+
+def run_fastcov(env: dict[str, str], *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python -m fastcov ARGS`` in its own process, as a user runs it, from the checkout's root."""
+    return subprocess.run([sys.executable, "-m", "fastcov", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
 
 
 class HubStandIn:

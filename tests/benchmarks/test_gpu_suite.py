@@ -1,7 +1,8 @@
 """bench/gpu_suite/ on CPU: the parts that need CUDA or vLLM record `unavailable` rows, the kernels smoke preset
-and the tiny training run really run, every row reaches the JSONL and the markdown, a part that raises becomes an
-error row and `--part all` goes on; plus the pieces a GPU run depends on, driven with CPU stand-ins.
-(bench/gpu_run.sh, the one device call around it, is rehearsed in tests/benchmarks/test_gpu_run.py.)"""
+really runs, every row reaches the JSONL and the markdown, a part that raises becomes an error row and `--part all`
+goes on; plus the pieces a GPU run depends on, driven with CPU stand-ins. (The tiny training run:
+tests/benchmarks/e2e/test_gpu_suite_e2e.py; bench/gpu_run.sh, the one device call around it, is rehearsed in
+tests/benchmarks/test_gpu_run.py.)"""
 
 from __future__ import annotations
 
@@ -12,23 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from _fixtures import suite_markdown, suite_rows
 
 from bench import correctness_gpu as C
 from bench import gpu_suite as S
 
 needs_cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU behaviour")
-
-
-def rows_of(out: Path) -> list[dict]:
-    """The suite's rows less the per-part timing rows."""
-    (path,) = (out / "cpu").glob("suite-*.jsonl") if not torch.cuda.is_available() else out.glob("*/suite-*.jsonl")
-    rows = [json.loads(line) for line in path.read_text().splitlines()]
-    return [r for r in rows if r["name"] != "part time"]
-
-
-def md_of(out: Path) -> str:
-    (path,) = out.glob("*/suite-*.md")
-    return path.read_text()
 
 
 def suite(tmp_path, **kw) -> S.Suite:
@@ -44,7 +34,7 @@ def suite(tmp_path, **kw) -> S.Suite:
 def test_correctness_and_vllm_record_unavailable_rows_on_cpu(tmp_path, capsys):
     assert S.main(["--part", "correctness", "--out", str(tmp_path)]) == 0
     assert S.main(["--part", "vllm", "--out", str(tmp_path)]) == 0
-    rows = rows_of(tmp_path)
+    rows = suite_rows(tmp_path)
     envs = [r for r in rows if r["part"] == "env"]
     assert len(envs) == 2  # one environment record per invocation
     env = envs[0]
@@ -60,7 +50,7 @@ def test_correctness_and_vllm_record_unavailable_rows_on_cpu(tmp_path, capsys):
     want = "vllm not installed" if importlib.util.find_spec("vllm") is None else "needs CUDA"
     assert vllm["reason"] == want
     assert all(r["run"] != envs[0]["run"] for r in rows if r["part"] == "vllm")
-    md = md_of(tmp_path)
+    md = suite_markdown(tmp_path)
     assert "## correctness" in md and "## vllm" in md and "| correctness_gpu | unavailable | needs CUDA |" in md
     assert "torch " + torch.__version__ in md
     out = capsys.readouterr().out
@@ -72,7 +62,7 @@ def test_correctness_and_vllm_record_unavailable_rows_on_cpu(tmp_path, capsys):
 def test_full_size_kernels_and_train_are_unavailable_without_cuda(tmp_path):
     assert S.main(["--part", "kernels", "--out", str(tmp_path)]) == 0
     assert S.main(["--part", "train", "--size", "1.5b", "--out", str(tmp_path)]) == 0
-    got = {(r["part"], r["name"]): r for r in rows_of(tmp_path) if r["part"] != "env"}
+    got = {(r["part"], r["name"]): r for r in suite_rows(tmp_path) if r["part"] != "env"}
     assert set(got) == {("kernels", "fastcov: preset gpu-run"), ("kernels", "switches: preset gpu-run-switches"),
                         ("kernels", "peers: preset gpu-run"), ("kernels", "autotune picks"),
                         ("train", "fastcov trainer"), ("train", "trl GRPOTrainer")}
@@ -86,7 +76,7 @@ def test_full_size_kernels_and_train_are_unavailable_without_cuda(tmp_path):
 def test_kernels_smoke_runs_the_benchmark(tmp_path, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # conftest's; interpreted Triton would take half a minute
     assert S.main(["--part", "kernels", "--size", "smoke", "--out", str(tmp_path)]) == 1  # a fastcov row not ok
-    (row, autotune) = [r for r in rows_of(tmp_path) if r["part"] == "kernels"]
+    (row, autotune) = [r for r in suite_rows(tmp_path) if r["part"] == "kernels"]
     assert autotune["name"] == "autotune picks" and autotune["status"] == "unavailable"
     assert row["name"] == "smoke: preset smoke" and row["preset"] == "smoke" and row["size"] == "smoke"
     # without the interpreter the Triton path is unavailable on CPU: no pass, and the reason says which row
@@ -99,38 +89,7 @@ def test_kernels_smoke_runs_the_benchmark(tmp_path, monkeypatch):
     assert "fastcov-torch" in fused
     assert all(f["fb_ms"] > 0 for f in row["fastcov"])
     assert "fastcov-torch smoke N=128: fwd+bwd" in row["summary"]
-    assert "| smoke: preset smoke | fail |" in md_of(tmp_path)
-
-
-@pytest.mark.slow
-def test_train_tiny_runs_the_trainer_and_trl(tmp_path):
-    assert S.main(["--part", "train", "--size", "tiny", "--steps", "2", "--out", str(tmp_path)]) == 0
-    rows = [r for r in rows_of(tmp_path) if r["part"] == "train"]
-    names = [r["name"] for r in rows]
-    assert names == ["fastcov step 1", "fastcov step 2", "fastcov trainer", "trl GRPOTrainer"]
-    steps = rows[:2]
-    assert [r["warmup"] for r in steps] == [True, False]
-    for r in steps:
-        for key in ("time/rollout", "time/old_logprob", "time/update", "time/sync", "time/step"):
-            assert r[key] > 0, key
-        assert r["rollout_tokens_per_s"] > 0 and r["update_tokens_per_s"] > 0
-        assert r["update_tokens_per_s"] == pytest.approx(r["tokens"] / r["time/update"])
-    summary = rows[2]
-    assert summary["status"] == "ok" and summary["steps_measured"] == [2]
-    assert summary["medians"]["time/step"] == pytest.approx(steps[1]["time/step"])
-    assert summary["plan"]["engine"] == "hf-copy"  # ZeRO-3: the HF engine's own copy
-    assert summary["plan_peak_gib"] > 0 and summary["peak_rss_bytes"] > 0
-    assert summary["peak_gpu_bytes"] is None  # no GPU here
-    assert "trainer.zero_stage=3" in summary["overrides"] and "algo.mode=kl_cov" in summary["overrides"]
-    trl = rows[3]
-    if importlib.util.find_spec("trl") is None:
-        assert trl["status"] == "unavailable" and trl["reason"] == "trl not installed"
-    else:
-        assert trl["status"] == "ok", trl
-        assert len(trl["step_s"]) == 2 and trl["median_step_s"] == trl["step_s"][1] > 0
-        assert trl["setup"]["num_generations"] == 4 and trl["setup"]["max_completion_length"] == 8
-    md = md_of(tmp_path)
-    assert "## train" in md and "| fastcov trainer | ok |" in md
+    assert "| smoke: preset smoke | fail |" in suite_markdown(tmp_path)
 
 
 # ---------------------------------------------------------------- errors, budget, output
@@ -154,14 +113,14 @@ def test_a_part_that_raises_is_an_error_row_and_all_goes_on(tmp_path, monkeypatc
         monkeypatch.setitem(S.PARTS, part, fake(part))
     assert S.main(["--part", "all", "--out", str(tmp_path)]) == 1  # an error row: non-zero exit
     assert ran == ["correctness", "kernels", "train", "pytest", "extra"]
-    rows = rows_of(tmp_path)
+    rows = suite_rows(tmp_path)
     assert [(r["part"], r["status"]) for r in rows] == [
         ("env", "ok"), ("correctness", "error"), ("kernels", "ok"), ("train", "ok"), ("pytest", "ok"), ("extra", "ok")]
     err = rows[1]
     assert err["name"] == "part" and err["reason"] == "RuntimeError: injected failure"
     assert "injected failure" in err["traceback"]
     assert len({r["run"] for r in rows}) == 1
-    md = md_of(tmp_path)
+    md = suite_markdown(tmp_path)
     assert "| part | error | RuntimeError: injected failure |" in md and "| fake | ok | extra done |" in md
     table = [line for line in capsys.readouterr().out.splitlines() if "part time" not in line]
     assert table[-5].split()[:3] == ["correctness", "part", "error"]

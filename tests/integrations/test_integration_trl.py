@@ -1,4 +1,5 @@
-"""fastcov inside TRL's GRPOTrainer, on a tiny Qwen2 built from a config and a char-level tokenizer (CPU, offline)."""
+"""fastcov inside TRL's GRPOTrainer, on a tiny Qwen2 built from a config and a char-level tokenizer (CPU, offline;
+both in tests/_trl_harness.py)."""
 
 import importlib
 import math
@@ -11,40 +12,9 @@ trl = pytest.importorskip("trl")
 transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
 
+from _trl_harness import VOCAB, reward_digits, tiny_model, tiny_tokenizer  # noqa: E402
+
 from fastcov.integrations.trl import FastcovGRPOConfig, FastcovGRPOTrainer  # noqa: E402
-
-VOCAB = 160
-SPECIAL = ["<pad>", "<eos>", "<unk>"]
-
-
-def tiny_tokenizer():
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-
-    chars = [chr(c) for c in range(32, 127)]  # printable ASCII, one token each
-    tokens = SPECIAL + chars + [f"<x{i}>" for i in range(VOCAB - len(SPECIAL) - len(chars))]
-    tok = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(tokens)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(SPECIAL)
-    return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>", padding_side="left",
-    )
-
-
-def tiny_model(seed=0):
-    torch.manual_seed(seed)
-    config = transformers.Qwen2Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, eos_token_id=1, bos_token_id=None,
-        tie_word_embeddings=False,
-    )
-    config._attn_implementation = "sdpa"
-    return transformers.AutoModelForCausalLM.from_config(config).float()
-
-
-def reward_digits(completions, **kwargs):
-    """A verifiable-looking reward that varies across samples: the share of digits in the completion."""
-    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) + 0.01 * len(c) for c in completions]
 
 
 def make_args(tmp_path, **overrides):

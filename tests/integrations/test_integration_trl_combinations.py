@@ -1,15 +1,15 @@
 """TRL options FastcovGRPOTrainer used to refuse, end to end against TRL 1.16's own GRPOTrainer (issue 54).
 
-The pattern is test_integration_trl_correction.py's: the same saved tiny model trained by both trainers for four
-plain-SGD steps (``steps_per_generation=2``: every second step is off-policy), TRL's transformers generation handing
-over a stand-in for vLLM's log-probs where ``use_vllm`` is set. Compared: every step's loss and every parameter's
-update.
+The pattern is test_integration_trl_correction.py's, and so is the harness (tests/_trl_harness.py): the same saved
+tiny model trained by both trainers for four plain-SGD steps (``steps_per_generation=2``: every second step is
+off-policy), TRL's transformers generation handing over a stand-in for vLLM's log-probs where ``use_vllm`` is set.
+Compared: every step's loss and every parameter's update.
 
 * KL-Cov with loss_type cispo / sapo / vespo and at importance_sampling_level="sequence" (GSPO): TRL has no KL-Cov,
   so the reference is TRL's own loss plus the penalty as the paper defines it, written here from the formula
   (``KLCovReference``: β·|log π − log π_old| on the k = max(1, ⌊ratio·n⌋) tokens of largest
   (A − mean A)(log π − mean log π), weighted like TRL weights a token's loss, normalized like TRL's loss type), on
-  the fused log-probs (see ``_run``), over one rollout batch of four optimizer steps.
+  the fused log-probs (see ``_trl_with_kl_cov``), over one rollout batch of four optimizer steps.
 * top_entropy_quantile < 1 with GSPO and sequence-level SAPO (and at token level): TRL's own entropy mask.
 * delta (the dual clip) with GSPO.
 * an MoE model (tiny Qwen2-MoE) with TRL's default router_aux_loss_coef=None: the model's own coefficient.
@@ -20,15 +20,10 @@ import math
 
 import pytest
 import torch
-from _agreement import fp32_loss_tolerance
-from test_integration_trl_correction import PROMPTS, recording_trainer
+from _trl_harness import STEPS, check, loss_tolerance, run, tiny_model
 
 pytest.importorskip("trl")
 pytest.importorskip("datasets")
-
-STEPS = 4
-LR = 0.5
-EPS32 = 2.0 ** -23
 
 
 class KLCovReference:
@@ -79,82 +74,22 @@ class KLCovReference:
         return loss + penalty
 
 
-def _run(kind: str, out_dir: str, model, vllm: bool, options: dict) -> dict:
-    import datasets
+def _trl_with_kl_cov(out_dir: str, model, vllm: bool, options: dict) -> dict:
+    """``run`` of TRL's loss plus ``KLCovReference``'s penalty; its result also holds each step's ``penalties``."""
     import trl
-    from test_integration_trl import reward_digits, tiny_tokenizer
 
-    from fastcov.integrations.trl import FastcovGRPOConfig, FastcovGRPOTrainer
+    from fastcov.integrations.trl import FastcovGRPOTrainer
 
+    # TRL's loss on the fused log-probs (bit for bit the ones fastcov's loss sees; they equal TRL's own within 1e-5,
+    # test_integration_trl.py): on-policy steps have log π − log π_old at rounding noise, and |x|'s gradient there is
+    # ±β, so the two sides' noise must be the same numbers
     penalties: list[float] = []
-    if kind == "fastcov":
-        base, config_cls = FastcovGRPOTrainer, FastcovGRPOConfig
-    elif kind == "trl+kl_cov":
-        # TRL's loss on the fused log-probs (bit for bit the ones fastcov's loss sees; they equal TRL's own within
-        # 1e-5, test_integration_trl.py): on-policy steps have log π − log π_old at rounding noise, and |x|'s
-        # gradient there is ±β, so the two sides' noise must be the same numbers
-        trl_loss = type("TRLLoss", (FastcovGRPOTrainer,), {"_compute_loss": trl.GRPOTrainer._compute_loss})
-        base = type("TRLLossWithKLCov", (KLCovReference, trl_loss), {"penalties": penalties})
-        config_cls = FastcovGRPOConfig
-    else:
-        base, config_cls = trl.GRPOTrainer, trl.GRPOConfig
-    losses: list[float] = []
-    scales: list[tuple[int, float]] = []  # per step: valid tokens, mean |term| (what fp32_loss_tolerance takes)
-    Recording = recording_trainer(base, losses, scales)
-
-    fastcov_options = {key: value for key, value in options.items() if key.startswith(("fastcov_", "kl_cov_"))}
-    trl_options = {key: value for key, value in options.items() if key not in fastcov_options}
-    kwargs = dict(
-        output_dir=f"{out_dir}/{kind}", use_cpu=True, bf16=False, report_to="none", save_strategy="no", seed=0,
-        max_steps=STEPS, logging_steps=1, learning_rate=LR, lr_scheduler_type="constant", optim="sgd",
-        max_grad_norm=1e6, per_device_train_batch_size=4, gradient_accumulation_steps=1,
-        steps_per_generation=2, num_generations=4, max_completion_length=6, disable_tqdm=True,
-        dataloader_num_workers=0,
-    )
-    extra = dict(fastcov_options) if kind == "fastcov" else {}
-    if config_cls is FastcovGRPOConfig:
-        extra.setdefault("fastcov_loss_mode", "vanilla")
-    args = config_cls(**{**kwargs, **trl_options, **extra})
-    trainer = Recording(model=model, reward_funcs=reward_digits, args=args,
-                        train_dataset=datasets.Dataset.from_dict({"prompt": PROMPTS}), processing_class=tiny_tokenizer())
-    trainer.use_vllm = vllm  # what TRL reads in its rollout and loss (vLLM itself is never called)
-    params = dict(trainer.model.named_parameters())
-    before = {n: p.detach().clone() for n, p in params.items()}
-    trainer.train()
-    updates = {n: (params[n].detach() - before[n]) for n in params}
-    spacing = {n: EPS32 * float(params[n].detach().abs().max()) for n in params}  # fp32 parameters' resolution
-    logs = {k: v for row in trainer.state.log_history for k, v in row.items()
-            if k.startswith(("fastcov/", "aux_loss", "sampling/"))}
-    return dict(losses=losses, updates=updates, spacing=spacing, logs=logs, scales=scales, penalties=penalties)
-
-
-def _loss_tolerance(theirs: dict, step: int) -> float:
-    tokens, scale = theirs["scales"][step - 1]
-    return fp32_loss_tolerance(tokens, scale, step)
-
-
-def _check(ours: dict, theirs: dict, where) -> None:
-    """Every step's loss and every parameter's update within what fp32 rounding of the loss's sums allows
-    (tests/_agreement.py's rule, as test_integration_trl_correction.py's comparisons)."""
-    assert len(theirs["losses"]) == STEPS, (where, theirs["losses"])
-    for step, (a, b) in enumerate(zip(ours["losses"], theirs["losses"], strict=True), start=1):
-        tol = _loss_tolerance(theirs, step)
-        assert abs(a - b) <= tol, (where, step, ours["losses"], theirs["losses"], abs(a - b), tol)
-    # an update is lr × the sum of STEPS gradients, each a sum of a step's per-token terms: relative to the largest
-    # update the same STEPS·n·u, plus the fp32 parameters' spacing (an update is their difference)
-    rel = fp32_loss_tolerance(max(n for n, _ in theirs["scales"]), 1.0, STEPS)
-    moved = 0.0
-    for name, update in theirs["updates"].items():
-        tol = rel * float(update.abs().max()) + 4 * theirs["spacing"][name]
-        diff = float((ours["updates"][name] - update).abs().max())
-        assert diff <= tol, (where, name, diff, tol)
-        moved = max(moved, float(update.abs().max()))
-    assert moved > 1e-4, (where, "nothing trained")
+    trl_loss = type("TRLLoss", (FastcovGRPOTrainer,), {"_compute_loss": trl.GRPOTrainer._compute_loss})
+    trainer_cls = type("TRLLossWithKLCov", (KLCovReference, trl_loss), {"penalties": penalties})
+    return {**run("trl+kl_cov", out_dir, model, vllm, options, trainer_cls=trainer_cls), "penalties": penalties}
 
 
 def _saved_model(tmp_path, moe: bool = False) -> str:
-    from test_integration_trl import tiny_model
-
     model_dir = str(tmp_path / "model")
     (tiny_moe() if moe else tiny_model()).save_pretrained(model_dir)
     return model_dir
@@ -202,12 +137,12 @@ def test_kl_cov_on_a_loss_without_token_clip_is_that_loss_plus_the_penalty(tmp_p
     if not vllm:
         options = dict(vllm_importance_sampling_correction=False, **options)
     model_dir = _saved_model(tmp_path)
-    theirs = _run("trl+kl_cov", str(tmp_path), model_dir, vllm, options)
-    ours = _run("fastcov", str(tmp_path), model_dir, vllm, {**options, **KL_COV})
-    _check(ours, theirs, case)
+    theirs = _trl_with_kl_cov(str(tmp_path), model_dir, vllm, options)
+    ours = run("fastcov", str(tmp_path), model_dir, vllm, {**options, **KL_COV})
+    check(ours, theirs, case)
     # the comparison sees the penalty: at noise level on the on-policy step, far above the tolerance on the others
     penalties = theirs["penalties"]
-    tolerance = max(_loss_tolerance(theirs, step) for step in range(1, STEPS + 1))
+    tolerance = max(loss_tolerance(theirs, step) for step in range(1, STEPS + 1))
     assert penalties[0] < tolerance and min(penalties[1:]) > 100 * tolerance, (penalties, tolerance)
     assert ours["logs"]["fastcov/selected_frac"] > 0
 
@@ -242,13 +177,13 @@ def test_trl_option_equals_trl(tmp_path, case):
     if not vllm:
         options = dict(vllm_importance_sampling_correction=False, **options)
     model_dir = _saved_model(tmp_path)
-    theirs = _run("trl", str(tmp_path), model_dir, vllm, options)
-    ours = _run("fastcov", str(tmp_path), model_dir, vllm, options)
-    _check(ours, theirs, case)
+    theirs = run("trl", str(tmp_path), model_dir, vllm, options)
+    ours = run("fastcov", str(tmp_path), model_dir, vllm, options)
+    check(ours, theirs, case)
     if "top_entropy" in case:
         assert 0 < ours["logs"]["fastcov/high_entropy_frac"] < 1
     if case == "gspo_delta":  # the dual clip binds: without it TRL's losses differ
-        unclipped = _run("trl", str(tmp_path / "no_delta"), model_dir, vllm, {**options, "delta": None})
+        unclipped = run("trl", str(tmp_path / "no_delta"), model_dir, vllm, {**options, "delta": None})
         assert unclipped["losses"] != theirs["losses"]
 
 
@@ -257,9 +192,9 @@ def test_moe_aux_loss_equals_trl(tmp_path):
     load-balancing loss, from the fused head's decoder pass, scaled as TRL scales it; router weights train too."""
     model_dir = _saved_model(tmp_path, moe=True)
     options = dict(vllm_importance_sampling_correction=False)
-    theirs = _run("trl", str(tmp_path), model_dir, False, options)
-    ours = _run("fastcov", str(tmp_path), model_dir, False, options)
-    _check(ours, theirs, "moe")
+    theirs = run("trl", str(tmp_path), model_dir, False, options)
+    ours = run("fastcov", str(tmp_path), model_dir, False, options)
+    check(ours, theirs, "moe")
     assert ours["logs"]["aux_loss"] == pytest.approx(theirs["logs"]["aux_loss"], rel=1e-6)
     assert ours["logs"]["aux_loss"] > 0
     gate = [name for name in theirs["updates"] if name.endswith("mlp.gate.weight")]

@@ -7,115 +7,16 @@ importance sampling (GSPO), loss_type cispo / sapo / luspo / vespo (cispo and sa
 loss at every step and the same update of every parameter. There is no vLLM here: generation is TRL's own
 (transformers) path with the sampler's per-token log-probs returned beside the completions, as vLLM returns them,
 and ``use_vllm`` set on the trainer after construction. ``steps_per_generation=2`` with one micro-batch per step
-makes the second step of each rollout off-policy (its ratios are not 1). One config also runs on 2 processes.
+makes the second step of each rollout off-policy (its ratios are not 1). Both trainers run, and are compared, by
+tests/_trl_harness.py; one config on 2 processes: tests/integrations/e2e/test_integration_trl_correction_e2e.py.
 """
-
-import math
 
 import pytest
 import torch
-from _agreement import fp32_loss_tolerance, loss_term_scale
-from _dist import free_port, read_rank_reports, report_rank, spawn_ranks
+from _trl_harness import check, run, tiny_model
 
 pytest.importorskip("trl")
 pytest.importorskip("datasets")
-
-PROMPTS = ["12+7=", "3*4=", "9-5=", "20/4="]
-STEPS = 4
-LR = 0.5
-
-
-def sampler_logps(ids: list[int]) -> list[float]:
-    """A stand-in for vLLM's log-probs of the sampled tokens: near the tiny model's (≈ log 1/160), off by a
-    deterministic few percent per token, so the importance ratios π_old / π_sampler spread around 1."""
-    return [math.log(1 / 160) + 0.08 * math.sin(1.7 * tok + 0.9 * pos) for pos, tok in enumerate(ids)]
-
-
-def recording_trainer(base, losses: list, scales: list | None = None):
-    """``base`` (TRL's GRPOTrainer or fastcov's) that appends each step's loss to ``losses`` (and to ``scales`` its
-    number of valid tokens and ``loss_term_scale``, what ``fp32_loss_tolerance`` needs) and, when TRL reads vLLM's
-    log-probs (``trainer.use_vllm``), generates with transformers and hands over ``sampler_logps`` as the sampler's
-    (vLLM itself is never called)."""
-
-    class Recording(base):
-        def _get_per_token_logps_and_entropies(self, *args, **kwargs):
-            out = super()._get_per_token_logps_and_entropies(*args, **kwargs)
-            self._recorded_logps = out[0]
-            return out
-
-        def _compute_loss(self, model, inputs):
-            loss = super()._compute_loss(model, inputs)  # its log-probs are the last the method above saw
-            losses.append(float(loss.detach()))
-            if scales is not None:
-                mask = inputs["completion_mask"]
-                scales.append((int(mask.sum()), loss_term_scale(inputs["advantages"], self._recorded_logps, mask)))
-            return loss
-
-        def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, **kwargs):
-            use_vllm, self.use_vllm = self.use_vllm, False  # TRL's transformers generation, then vLLM's log-probs
-            try:
-                ids, logps = super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
-                                                           **kwargs)
-            finally:
-                self.use_vllm = use_vllm
-            return ids, ([sampler_logps(row) for row in ids] if use_vllm else logps)
-
-    return Recording
-
-
-def _run(kind: str, out_dir: str, model, vllm: bool, options: dict, world: int = 1) -> dict:
-    import datasets
-    import trl
-    from test_integration_trl import reward_digits, tiny_tokenizer
-
-    from fastcov.integrations.trl import FastcovGRPOConfig, FastcovGRPOTrainer
-
-    base, config_cls = (trl.GRPOTrainer, trl.GRPOConfig) if kind == "trl" else (FastcovGRPOTrainer, FastcovGRPOConfig)
-    losses: list[float] = []
-    scales: list[tuple[int, float]] = []
-    Recording = recording_trainer(base, losses, scales)
-
-    extra = dict(fastcov_loss_mode="vanilla") if kind == "fastcov" else {}
-    kwargs = dict(
-        output_dir=f"{out_dir}/{kind}", use_cpu=True, bf16=False, report_to="none", save_strategy="no", seed=0,
-        max_steps=STEPS, logging_steps=1, learning_rate=LR, lr_scheduler_type="constant", optim="sgd",
-        max_grad_norm=1e6, per_device_train_batch_size=4 // world, gradient_accumulation_steps=1,
-        steps_per_generation=2, num_generations=4, max_completion_length=6, disable_tqdm=True,
-        dataloader_num_workers=0, accelerator_config={"use_configured_state": world > 1},
-    )
-    args = config_cls(**{**kwargs, **options, **extra})
-    trainer = Recording(model=model, reward_funcs=reward_digits, args=args,
-                        train_dataset=datasets.Dataset.from_dict({"prompt": PROMPTS}), processing_class=tiny_tokenizer())
-    trainer.use_vllm = vllm  # what TRL reads in its rollout and loss (vLLM itself is never called)
-    params = dict(trainer.model.named_parameters())
-    before = {n: p.detach().clone() for n, p in params.items()}
-    trainer.train()
-    updates = {n: (params[n].detach() - before[n]).tolist() for n in params}
-    spacing = {n: 2.0 ** -23 * float(params[n].detach().abs().max()) for n in params}  # fp32 parameters' resolution
-    logs = {k: v for row in trainer.state.log_history for k, v in row.items()
-            if k.startswith(("sampling/importance_sampling_ratio", "fastcov/"))}
-    return dict(losses=losses, scales=scales, updates=updates, spacing=spacing, logs=logs)
-
-
-def _check(ours: dict, theirs: dict, where) -> None:
-    """Every step's loss and every parameter's update equal TRL's within what fp32 rounding of the loss's sums
-    allows (``fp32_loss_tolerance``; TRL's tokens and term scale: both sides see the same batch)."""
-    assert len(theirs["losses"]) == STEPS, (where, theirs["losses"])
-    for step, (a, b, (tokens, scale)) in enumerate(zip(ours["losses"], theirs["losses"], theirs["scales"],
-                                                      strict=True), start=1):
-        tol = fp32_loss_tolerance(tokens, scale, step)
-        assert abs(a - b) <= tol, (where, step, ours["losses"], theirs["losses"], abs(a - b), tol)
-    # an update is lr × the sum of STEPS gradients, each a sum of a step's per-token terms: relative to the largest
-    # update, the same STEPS·n·u as the loss, plus the fp32 parameters' spacing (the update is their difference)
-    tokens = max(n for n, _ in theirs["scales"])
-    rel = fp32_loss_tolerance(tokens, 1.0, STEPS)
-    moved = 0.0
-    for name, update in theirs["updates"].items():
-        a, b = torch.tensor(ours["updates"][name]), torch.tensor(update)
-        tol = rel * float(b.abs().max()) + 4 * theirs["spacing"][name]
-        assert float((a - b).abs().max()) <= tol, (where, name, float((a - b).abs().max()), tol)
-        moved = max(moved, float(b.abs().max()))
-    assert moved > 1e-4, (where, "nothing trained")
 
 
 IS_BOUNDS = {"token": dict(vllm_importance_sampling_clip_max=1.04, vllm_importance_sampling_clip_min=0.96),
@@ -152,16 +53,14 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_correction_option_equals_trl(tmp_path, case):
-    from test_integration_trl import tiny_model
-
     vllm, options = CASES[case]
     if not vllm:
         options = dict(vllm_importance_sampling_correction=False, **options)
     model_dir = str(tmp_path / "model")  # a path: TRL loads the reference model (beta > 0) from it
     tiny_model().save_pretrained(model_dir)
-    theirs = _run("trl", str(tmp_path), model_dir, vllm, options)
-    ours = _run("fastcov", str(tmp_path), model_dir, vllm, options)
-    _check(ours, theirs, case)
+    theirs = run("trl", str(tmp_path), model_dir, vllm, options)
+    ours = run("fastcov", str(tmp_path), model_dir, vllm, options)
+    check(ours, theirs, case)
     if case.startswith("is_"):  # the bounds really act on this rollout
         low, high = (options[f"vllm_importance_sampling_clip_{k}"] for k in ("min", "max"))
         seen = theirs["logs"]
@@ -195,14 +94,12 @@ def _mutated_policy_loss(real, mutation: str):
 def test_a_mutated_loss_fails_the_comparison(tmp_path):
     """The tolerance that passes the comparison above is tight enough to catch a real mistake: VESPO (the case
     whose terms cancel most) with one advantage's sign flipped, one token off the mask, or the β·KL term dropped."""
-    from test_integration_trl import tiny_model
-
     import fastcov.integrations.trl.trainer as fastcov_trl  # where the trainer looks its loss functions up
 
     vllm, options = CASES["vespo_truncate"]
     model_dir = str(tmp_path / "model")
     tiny_model().save_pretrained(model_dir)
-    theirs = _run("trl", str(tmp_path), model_dir, vllm, options)
+    theirs = run("trl", str(tmp_path), model_dir, vllm, options)
     real_aggregate = fastcov_trl.aggregate_loss  # in the TRL integration only the β·KL term goes through it
     for mutation in ("sign", "mask", "no_kl"):
         with pytest.MonkeyPatch.context() as patch:
@@ -210,39 +107,9 @@ def test_a_mutated_loss_fails_the_comparison(tmp_path):
                 patch.setattr(fastcov_trl, "aggregate_loss", lambda v, *a, **k: 0 * real_aggregate(v, *a, **k))
             else:
                 patch.setattr(fastcov_trl, "policy_loss", _mutated_policy_loss(fastcov_trl.policy_loss, mutation))
-            ours = _run("fastcov", str(tmp_path), model_dir, vllm, options)
+            ours = run("fastcov", str(tmp_path), model_dir, vllm, options)
         with pytest.raises(AssertionError):
-            _check(ours, theirs, mutation)
-
-
-# ---------------------------------------------------------------- two processes
-
-WORLD = 2
-TWO_PROCESS_CASE = "gspo"  # GSPO, the token-level vLLM ratio and (below) the off-policy mask
-
-
-def _two_process_body(model_dir: str, out_dir: str, world: int) -> dict:
-    """One rank of the 2-process case (run by ``report_rank``): TRL's run, then fastcov's."""
-    from accelerate import PartialState
-
-    PartialState(backend="gloo", cpu=True)
-    vllm, options = CASES[TWO_PROCESS_CASE]
-    options = dict(off_policy_mask_threshold=0.01, **options)
-    return {kind: _run(kind, out_dir, model_dir, vllm, options, world=world) for kind in ("trl", "fastcov")}
-
-
-@pytest.mark.slow
-def test_gspo_vllm_ratio_and_off_policy_mask_equal_trl_on_two_processes(tmp_path):
-    from test_integration_trl import tiny_model
-
-    model_dir = str(tmp_path / "model")
-    tiny_model().save_pretrained(model_dir)
-    spawn_ranks(report_rank, (WORLD, free_port(), str(tmp_path), _two_process_body, model_dir, str(tmp_path), WORLD),
-                WORLD)
-    for rank, res in enumerate(read_rank_reports(tmp_path, WORLD)):
-        # a rank's loss is its share of a global mean that can cancel to near 0: the terms' scale sets the bound
-        _check(res["fastcov"], res["trl"], f"rank {rank}")
-        assert sum(loss != 0.0 for loss in res["trl"]["losses"]) >= STEPS // 2, res["trl"]["losses"]  # not all masked
+            check(ours, theirs, mutation)
 
 
 # ---------------------------------------------------------------- the options' checks

@@ -1,19 +1,17 @@
 """The target-entropy controller (fastcov.entropy_control) against the published rules it reproduces (TRL 1.16's
-use_adaptive_entropy, Skywork-OR1's adaptive entropy, Jin et al.'s λ schedule), its proportional rule, its state,
-the all-rank entropy on 2 gloo processes; Cheng et al.'s entropy-based advantage shaping against its formula."""
+use_adaptive_entropy, Skywork-OR1's adaptive entropy, Jin et al.'s λ schedule), its proportional rule, its state;
+Cheng et al.'s entropy-based advantage shaping against its formula. The all-rank entropy on 2 gloo processes:
+tests/library/e2e/test_entropy_control_e2e.py."""
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import random
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from _dist import free_port, shutdown_process_group, spawn_ranks
 
 import fastcov
 from fastcov.entropy_control import KNOBS, EntropyController, all_rank_entropy
@@ -163,45 +161,6 @@ def test_gate_uses_the_knobs_off_value():
 def test_public_api():
     assert fastcov.EntropyController is EntropyController
     assert fastcov.entropy_control.all_rank_entropy is all_rank_entropy
-
-
-# ---------------------------------------------------------------- all-rank entropy: 2 processes = 1 process
-
-WORLD = 2
-
-
-def _entropy_worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    import torch.distributed as dist
-
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    result = {}
-    try:
-        gen = torch.Generator().manual_seed(11)
-        ent = torch.rand(7, 13, generator=gen, dtype=torch.float32) * 3
-        mask = torch.rand(7, 13, generator=gen) < 0.6
-        rows = [slice(0, 2), slice(2, 7)][rank]  # uneven shares of the tokens
-        local = (ent[rows] * mask[rows]).double().sum()
-        result["entropy"] = all_rank_entropy(local, mask[rows].sum(), group=dist.group.WORLD)
-        result["empty"] = all_rank_entropy(0.0, 0, group=dist.group.WORLD)
-    except BaseException as exc:  # noqa: BLE001 - reported to the test
-        result["error"] = repr(exc)
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
-    shutdown_process_group()
-
-
-@pytest.mark.slow
-def test_all_rank_entropy_on_two_ranks_equals_one_process(tmp_path):
-    spawn_ranks(_entropy_worker, (WORLD, free_port(), str(tmp_path)), WORLD)
-    gen = torch.Generator().manual_seed(11)
-    ent = torch.rand(7, 13, generator=gen, dtype=torch.float32) * 3
-    mask = torch.rand(7, 13, generator=gen) < 0.6
-    single = all_rank_entropy((ent * mask).double().sum(), mask.sum())
-    assert single == pytest.approx(float((ent * mask).double().sum() / mask.sum()), rel=1e-15)
-    for rank in range(WORLD):
-        res = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert "error" not in res, res
-        assert res["entropy"] == pytest.approx(single, rel=1e-14) and res["empty"] == 0.0
 
 
 # ---------------------------------------------------------------- Cheng et al.'s advantage shaping

@@ -11,3 +11,13 @@ def varied_rewards(monkeypatch):
     from fastcov.trainer.rewards import RewardFn
 
     monkeypatch.setattr(RewardFn, "__call__", odd_length_reward)
+
+
+@pytest.fixture(scope="module")
+def hub():
+    """A local stand-in of the Hugging Face Hub's HTTP API (tests/_hub.py) for one test module; point HF_ENDPOINT at
+    its ``url``."""
+    from _hub import HubStandIn
+
+    with HubStandIn() as stand_in:
+        yield stand_in

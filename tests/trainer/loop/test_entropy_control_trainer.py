@@ -1,9 +1,8 @@
 """The trainer's entropy controls: algo.entropy_control (checkpointed, logged, resumed bit-exact),
-algo.entropy_advantage (Cheng et al.'s shaping), the one-line warning for on-policy KL-Cov, their config errors."""
+algo.entropy_advantage (Cheng et al.'s shaping), the one-line warning for on-policy KL-Cov, their config errors.
+The controller on 2 ranks: tests/trainer/e2e/test_entropy_control_trainer_e2e.py."""
 
-import math
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,12 +11,11 @@ pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")
 
 import _fixtures
-from _fixtures import ROOT, TINY, odd_length_reward, stable
+from _fixtures import ROOT, TINY, stable
 
 from fastcov.trainer import controls
 from fastcov.trainer import train as train_mod
 from fastcov.trainer.config import ConfigError, load_config
-from fastcov.trainer.rewards import RewardFn
 from fastcov.trainer.runtime.batch import Sequence
 from fastcov.trainer.runtime.run_dir import read_metrics
 
@@ -204,46 +202,3 @@ def test_the_controllers_study_loads_every_arm():
         assert all(m in " ".join(study["arms"][arm]) for m in markers), arm
     common = " ".join(study["common"])
     assert "trainer.max_steps=200" in common and "trainer.prompts_per_step=16" in common
-
-
-# ---------------------------------------------------------------- 2 ranks = 1 process
-
-CONTROL = ["algo.entropy_control.target=50.0", "algo.entropy_control.knob=entropy_coef",
-           "algo.entropy_control.rule=proportional", "algo.entropy_control.init=0.01", "algo.entropy_control.min=1e-4",
-           "algo.entropy_control.max=0.9", "algo.entropy_control.gain=0.3"]
-
-
-def _ranks_worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    import json
-
-    from _dist import set_rank_environment, shutdown_process_group
-
-    set_rank_environment(rank, world, port)
-    torch.set_num_threads(1)
-    RewardFn.__call__ = odd_length_reward  # a spawned rank: no fixture reaches it
-    cfg = load_config(TINY, [f"trainer.run_dir={out_dir}/run", "trainer.max_steps=3", "reward.sandbox=inline",
-                             "trainer.eval_every=0", "rollout.seeding=per_sample", *CONTROL])
-    train_mod.train(cfg)
-    Path(out_dir, f"done{rank}").write_text(json.dumps(True))
-    shutdown_process_group()
-
-
-@pytest.mark.slow
-def test_controller_on_two_ranks_follows_one_process(tmp_path):
-    """The controller reads the entropy of the whole rollout batch over all ranks: on 2 ranks (per-sample seeds, so
-    the same samples) its values and errors equal the 1-process run's, up to the reduction order's rounding."""
-    from _dist import free_port, spawn_ranks
-
-    rows = {}
-    for world in (1, 2):
-        out = tmp_path / f"w{world}"
-        out.mkdir()
-        spawn_ranks(_ranks_worker, (world, free_port(), str(out)), world)
-        rows[world] = read_metrics(out / "run" / "metrics.jsonl")
-    one, two = rows[1], rows[2]
-    assert [r["step"] for r in one] == [r["step"] for r in two] == [1, 2, 3]
-    for a, b in zip(one, two, strict=True):
-        for key in ("entropy", "entropy_control/value", "entropy_control/error"):
-            assert math.isclose(a[key], b[key], rel_tol=1e-6), (a["step"], key, a[key], b[key])
-    values = [r["entropy_control/value"] for r in one]
-    assert values[0] == 0.01 and values[2] > values[1] > values[0]  # H ≈ 5 ≪ 50: the bonus grows

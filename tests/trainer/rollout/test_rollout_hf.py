@@ -2,7 +2,6 @@
 own module shared under ZeRO 0-2, an empty copy under ZeRO-3, and bench/rollout.py at a tiny size."""
 
 import json
-import random
 
 import pytest
 import torch
@@ -10,6 +9,7 @@ import torch
 pytest.importorskip("transformers")
 
 from _agreement import greedy_agreement, top2_margin
+from _fixtures import prompts_of, tiny_lm
 
 from fastcov.trainer.rollout import (
     HFRolloutEngine,
@@ -19,29 +19,11 @@ from fastcov.trainer.rollout import (
 )
 
 
-def tiny_lm(seed=0, vocab=97):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = AutoConfig.for_model("qwen2", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab,
-                               max_position_embeddings=256, eos_token_id=3, pad_token_id=0, bos_token_id=None)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
-    with torch.no_grad():  # make eos likely enough that rows finish at different steps
-        model.lm_head.weight[3] *= 6.0
-    return model
-
-
 def policy_logprobs(model, prompt, ids):
     """The model's own log-probs of ``ids`` after ``prompt`` (temperature 1), fp32 [len(ids)]."""
     with torch.no_grad():
         logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1].float()
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids)[:, None])[:, 0]
-
-
-def prompts_of(lengths, seed=1, vocab=97):
-    rng = random.Random(seed)
-    return [[rng.randrange(4, vocab) for _ in range(n)] for n in lengths]
 
 
 @pytest.mark.parametrize("budget,max_rows", [(0, 0), (100, 0), (60, 3), (1, 0)])

@@ -2,7 +2,8 @@
 interpreter's teardown (``shutdown_distributed``, at exit): a rank that left gloo's groups alive was now
 and then aborted in the C++ teardown after a finished run (SIGABRT, 'terminate called without an active
 exception'; tests/multinode caught it), and torchrun called the run failed. DeepSpeed's
-deprecated-collective warnings stay out of the log."""
+deprecated-collective warnings stay out of the log. Two ranks with a subgroup:
+tests/trainer/e2e/test_distributed_shutdown_e2e.py."""
 
 from __future__ import annotations
 
@@ -12,29 +13,9 @@ import warnings
 from pathlib import Path
 
 import pytest
-from _dist import free_port, set_rank_environment, spawn_ranks, without_rank_environment
+from _dist import without_rank_environment
 
 pytest.importorskip("deepspeed")
-
-
-def _two_ranks_with_a_subgroup(rank: int, port: int, out_dir: str) -> None:
-    set_rank_environment(rank, 2, port)
-    import torch
-    import torch.distributed as dist
-
-    from fastcov.trainer.runtime.distributed import all_sum, init_distributed, shutdown_distributed
-
-    init_distributed(torch.device("cpu"))
-    dist.new_group([0, 1])  # like a node group of the rollout copies
-    total = all_sum([rank + 1.0], torch.device("cpu"))[0]
-    shutdown_distributed()
-    Path(out_dir, f"rank{rank}").write_text(f"{total} {dist.is_initialized()}")
-
-
-@pytest.mark.slow
-def test_shutdown_ends_every_group_on_every_rank(tmp_path):
-    spawn_ranks(_two_ranks_with_a_subgroup, (free_port(), str(tmp_path)), 2)
-    assert [Path(tmp_path, f"rank{r}").read_text() for r in range(2)] == ["3.0 False", "3.0 False"]
 
 
 AT_EXIT = """

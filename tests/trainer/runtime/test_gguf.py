@@ -1,7 +1,7 @@
 """GGUF files as a model source (trainer/runtime/gguf.py): a tiny model written here with the gguf package's own
-writer, in llama.cpp's layout, loads exactly as the same weights saved as safetensors; the run converts it once
-into a Hugging Face directory that trains, checkpoints and resumes; a missing gguf package, an architecture
-transformers cannot read and a directory with two files stop in one line."""
+writer, in llama.cpp's layout, loads exactly as the same weights saved as safetensors; a missing gguf package, an
+architecture transformers cannot read and a directory with two files stop in one line. A run that converts, trains,
+checkpoints and resumes: tests/trainer/e2e/test_gguf_e2e.py."""
 
 import json
 import subprocess
@@ -147,48 +147,6 @@ def test_missing_gguf_package_exits_2_from_the_cli(tmp_path):
     last = p.stderr.strip().splitlines()
     assert len(last) == 1 and "needs the gguf package: pip install 'fastcov[gguf]'" in last[0], p.stderr
     assert not run.exists()
-
-
-@pytest.mark.slow
-def test_a_gguf_file_trains_checkpoints_and_resumes(tmp_path):
-    """The shipped SmolLM2 config with one override, model.path=<a .gguf file>: the run converts the file into
-    <run>/gguf-model once, trains on it, exports final/, and a resume continues from its checkpoint with the
-    same metrics as an uninterrupted run (the tiny model and task instead of SmolLM2's, for time)."""
-    from _fixtures import VOLATILE
-
-    from fastcov.trainer import train as train_mod
-    from fastcov.trainer.config import load_config
-    from fastcov.trainer.runtime.run_dir import read_metrics
-
-    ref = tiny_hf_model("llama", tied=True)
-    write_gguf(ref, tmp_path / "tiny.gguf")
-    from fastcov.trainer.data.chat_arith import Level, write_task
-
-    write_task(str(tmp_path / "train.parquet"), str(tmp_path / "val.parquet"), 16, 4, Level(1, 1))
-    small = [f"data.train_files=[{tmp_path / 'train.parquet'}]", f"data.val_files=[{tmp_path / 'val.parquet'}]",
-             "trainer.max_steps=2", "trainer.save_every=1", "trainer.prompts_per_step=2", "rollout.n=2",
-             "rollout.max_new_tokens=6", "trainer.eval_every=0", "algo.mini_batches=1", "reward.sandbox=inline",
-             "trainer.progress=false"]
-
-    def cfg(name):
-        return load_config(ROOT / "configs" / "smollm2.yaml", [f"model.path={tmp_path / 'tiny.gguf'}",
-                                                                f"trainer.run_dir={tmp_path / name}", *small])
-
-    full = train_mod.train(cfg("full"))
-    assert (full / "gguf-model" / "config.json").is_file() and (full / "final" / "config.json").is_file()
-    written = json.loads((full / "gguf-model" / gguf_mod.SOURCE_FILE).read_text())
-    assert written["gguf"] == str((tmp_path / "tiny.gguf").resolve()) and written["dtype"] == "torch.float32"
-    assert "gguf-model" in (full / "config.yaml").read_text()
-    cut = cfg("cut")
-    train_mod.train(cut, stop_at=1)
-    stamp = (tmp_path / "cut" / "gguf-model" / "config.json").stat().st_mtime_ns
-    train_mod.train(cfg("cut"), resume=True)
-    assert (tmp_path / "cut" / "gguf-model" / "config.json").stat().st_mtime_ns == stamp  # converted once
-
-    def stable(recs):
-        return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in recs]
-
-    assert stable(read_metrics(full / "metrics.jsonl")) == stable(read_metrics(tmp_path / "cut" / "metrics.jsonl"))
 
 
 def test_plan_reads_the_shape_from_the_header(tmp_path):

@@ -1,12 +1,12 @@
 """trainer.report_to: the run's metrics through accelerate's trackers (TensorBoard writing real event files here),
 the old trainer.tensorboard / trainer.wandb booleans still accepted with a FutureWarning, clear errors for an
-unknown or missing tracker, and a tracker registered by a trainer.imports module."""
+unknown or missing tracker, and a tracker registered by a trainer.imports module. Two ranks:
+tests/trainer/e2e/test_trackers_e2e.py."""
 
 from __future__ import annotations
 
 import math
 import warnings
-from pathlib import Path
 
 import pytest
 from _fixtures import TINY  # noqa: E402
@@ -151,26 +151,3 @@ def test_metric_names_a_tracker_refuses_are_rewritten():
     assert tracker_values("tensorboard", values) == values
     assert report_to_names("none") == [] and report_to_names(["wandb", "wandb"]) == ["wandb"]
     assert report_to_names("tensorboard") == ["tensorboard"]
-
-
-def _two_rank_body(run_dir: str) -> dict:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    from fastcov.trainer import train as train_mod
-
-    train_mod.train(load_config(TINY, [f"trainer.run_dir={run_dir}", *BASE, "trainer.report_to=[tensorboard]"]))
-    events = EventAccumulator(str(Path(run_dir) / "tensorboard"))
-    events.Reload()
-    return {"entropy_steps": [e.step for e in events.Scalars("entropy")]}
-
-
-@pytest.mark.slow
-def test_two_ranks_rank_zero_opens_the_trackers(tmp_path):
-    """accelerate's process state starts on rank 0 alone, inside the gloo group the run started: no hang, one
-    writer."""
-    pytest.importorskip("tensorboard", reason="the [tensorboard] extra")
-    from _dist import free_port, read_rank_reports, report_rank, spawn_ranks
-
-    spawn_ranks(report_rank, (2, free_port(), str(tmp_path), _two_rank_body, str(tmp_path / "run")), 2)
-    assert [r["entropy_steps"] for r in read_rank_reports(tmp_path, 2)] == [[1, 2], [1, 2]]
-    assert len(list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))) == 1

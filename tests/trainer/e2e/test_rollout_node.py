@@ -13,7 +13,7 @@ from _dist import free_port, shutdown_process_group, spawn_ranks
 pytest.importorskip("transformers")
 pytest.importorskip("deepspeed")
 
-from test_rollout_hf import prompts_of, tiny_lm
+from _fixtures import prompts_of, tiny_lm
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str, per_rank_node: bool) -> None:

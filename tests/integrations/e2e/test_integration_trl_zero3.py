@@ -45,17 +45,16 @@ def _run(kind: str, model_dir: str, out_dir: str, discovery: bool = True, vllm: 
     gathered through its explicit registration alone, as with a DeepSpeed without that discovery.
 
     ``vllm=True``: the rollout returns the sampler's per-token log-probs beside the completions, as vLLM does
-    (``test_integration_trl_correction.sampler_logps``), and TRL's vLLM branch is on for the loss, so its
+    (``_trl_harness.sampler_logps``), and TRL's vLLM branch is on for the loss, so its
     importance-sampling correction applies; ``options`` override the config's keys."""
     from collections import OrderedDict
 
     import datasets
     import deepspeed
     import trl
+    from _trl_harness import recording_trainer, reward_digits, tiny_tokenizer
     from accelerate.state import AcceleratorState
     from deepspeed.runtime.zero.parameter_offload import ZeROOrderedDict
-    from test_integration_trl import reward_digits, tiny_tokenizer
-    from test_integration_trl_correction import recording_trainer
 
     from fastcov.integrations.trl import FastcovGRPOConfig, FastcovGRPOTrainer
 
@@ -190,7 +189,7 @@ def _check_against_trl(ours: dict, trl: dict, where) -> None:
 def test_zero3_rollout_correction_gspo_and_vespo_equal_trl(tmp_path):
     """TRL's vLLM importance-sampling correction with GSPO (+ the off-policy mask) and with VESPO, under ZeRO-3 on
     2 processes: per-rank losses and parameter updates equal TRL's GRPOTrainer's."""
-    from test_integration_trl import tiny_model
+    from _trl_harness import tiny_model
 
     model_dirs = {"untied": str(tmp_path / "untied")}
     tiny_model().save_pretrained(model_dirs["untied"])
@@ -209,7 +208,7 @@ def test_zero3_rollout_correction_gspo_and_vespo_equal_trl(tmp_path):
 
 @pytest.mark.slow
 def test_zero3_loss_and_update_equal_trl(tmp_path):
-    from test_integration_trl import tiny_model
+    from _trl_harness import tiny_model
 
     model_dirs = {}
     for model_kind, tied in (("untied", False), ("tied", True)):  # tied: the head is the input embedding
