@@ -10,10 +10,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # Presets: the model (a Qwen2 config on the demo's tokenizer), its warm start, and the RL run's size.
 PRESETS: dict[str, dict] = {
-    # the CPU run: 7 min 46 s from an empty --work on 2 cores at load 2-3 (warm start ~70 s; 7.0 CPU minutes)
+    # the CPU run: the trainers one after the other, each with both of a 2-core machine's threads (at one thread
+    # each the six cases took 29 min 15 s on a 2-core AMD EPYC, 20 of them at the 151,936-token vocabulary)
     "cpu": dict(device="cpu", hidden=256, layers=4, heads=4, kv_heads=2, intermediate=768, sft_steps=150,
                 sft_lr=3e-3, prompts=16, n=8, max_new=32, long_new=128, mini_batches=8, lr=1e-4, steps=8,
-                warmup=1, threads=1, pool=32, logprob_budget=2048),
+                warmup=1, threads=2, pool=32, logprob_budget=2048),
     # seconds, for the test: a tiny model, two rollout batches of 2 prompts x 4
     "tiny": dict(device="cpu", hidden=32, layers=1, heads=2, kv_heads=1, intermediate=64, sft_steps=10,
                  sft_lr=3e-3, prompts=2, n=4, max_new=8, long_new=24, mini_batches=2, lr=1e-4, steps=1,
