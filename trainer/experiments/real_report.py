@@ -66,8 +66,10 @@ def verdict_lines(summaries: list[dict], facts: dict) -> list[str]:
     for s in summaries:
         law = s["law"]
         if law is not None:
-            lines.append(f"- {s['name']}: R = −{law.a:.3g}·e^H + {law.b:.3g} fits its {len(s['law_points'])} "
-                         f"evaluations with R² = {law.r2:.2f} (ceiling b − a = {law.ceiling:.3f}).")
+            sign = "" if law.a > 0 else " (a ≤ 0: accuracy rose with entropy, not the law's shape)"
+            lines.append(f"- {s['name']}: R = −a·e^H + b with a = {law.a:.3g}, b = {law.b:.3g} fits its "
+                         f"{len(s['law_points'])} evaluations with R² = {law.r2:.2f} (ceiling b − a = "
+                         f"{law.ceiling:.3f}){sign}.")
         else:
             lines.append(f"- {s['name']}: no law fit ({s['law_error']}).")
     return lines

