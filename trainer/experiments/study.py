@@ -148,11 +148,9 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     ap = _parser()
     args = ap.parse_intermixed_args(argv)
-    if not os.environ.get("DS_ACCELERATOR"):
-        import torch
+    from fastcov.trainer.experiments.demo import set_up_process
 
-        if not torch.cuda.is_available():
-            os.environ["DS_ACCELERATOR"] = "cpu"
+    set_up_process(0)  # the runs set their own threads (trainer.threads)
     from fastcov.errors import UserError
     from fastcov.trainer.config import load_config
     from fastcov.trainer.experiments.report import write_report
