@@ -57,10 +57,11 @@ MODEL_CASES: dict[str, dict] = {
 }
 # Cases e-g: bench/real_vocab.py's model, Qwen2.5's 151,936-token vocabulary and tied head (on CPU Qwen2.5-0.5B's
 # 151,936 x 896 head over a 2-layer body; gpu-1.5b: Qwen2.5-1.5B's shape), warm-started on the demo's task and
-# built once into <work>/real-vocab-<preset>; the demo's task and pool file. A token costs ~60x a case-a token on
-# CPU, so there the sizes are smaller (for both trainers alike): 4 prompts x 8 rollouts, 2 optimizer steps of 16
-# sequences per rollout batch, 1 warm-up + 2 measured batches, a pool of 4 prompts (every rollout batch sees all of
-# them) evaluated with 16 answers each, 16 held-out prompts. ``sizes`` by preset: the others keep their own.
+# built once into <work>/real-vocab-<preset>; the demo's task and pool file. A token costs ~15x a case-a token on
+# CPU (49 against 740 tokens/s in bench/results/cpu-2core/trainer-2026-11-28.jsonl), so there the sizes are smaller
+# (for both trainers alike): 4 prompts x 8 rollouts, 2 optimizer steps of 16 sequences per rollout batch, 1 warm-up
+# + 2 measured batches, a pool of 4 prompts (every rollout batch sees all of them) evaluated with 16 answers each,
+# 16 held-out prompts. ``sizes`` by preset: the others keep their own.
 REAL_VOCAB_CASE = dict(real_vocab=True, timeout=1800.0, sizes={"cpu": dict(
     prompts=4, n=8, max_new=32, long_new=128, mini_batches=2, lr=2e-4, steps=2, warmup=1, pool=4, pool_k=16,
     eval_prompts=16, logprob_budget=2048)})
